@@ -1,0 +1,90 @@
+"""The one config of the native MoE transformer, documented field by field.
+
+tyro turns the docstring under each field into `--help` text, so this file is the reference for every
+architecture knob. Validation happens at construction: a bad value names its field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rl.errors import ConfigError, check_choice, check_positive
+
+DISPATCH_MODES = ("grouped", "loop")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the native MoE transformer (decoder-only, pre-norm, RoPE, GQA, SwiGLU experts)."""
+
+    vocab_size: int = 99
+    """Number of token ids; must cover the tokenizer's vocabulary (99 for the character tokenizer)."""
+    d_model: int = 64
+    """Residual stream width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; must divide d_model (head dim = d_model / n_heads)."""
+    n_kv_heads: int = 2
+    """Key/value heads for grouped-query attention; must divide n_heads."""
+    max_seq_len: int = 128
+    """Longest sequence (prompt + response) the KV cache is sized for."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    n_experts: int = 8
+    """Routed experts E per MoE layer."""
+    top_k: int = 2
+    """Experts K activated per token; 1 <= K <= E."""
+    d_expert: int = 64
+    """Hidden width of each routed SwiGLU expert."""
+    moe_every: int = 1
+    """Use an MoE feed-forward in every n-th block (blocks n-1, 2n-1, ...); the others are dense SwiGLU."""
+    d_dense: int = 128
+    """Hidden width of the dense SwiGLU feed-forward in non-MoE blocks."""
+    d_shared_expert: int = 0
+    """Hidden width of an always-active shared expert added to every MoE layer; 0 disables it."""
+    norm_topk_prob: bool = True
+    """Renormalise the K gathered router probabilities to sum to 1 (Qwen3-MoE style)."""
+    aux_loss_coef: float = 0.01
+    """Coefficient of the Switch-Transformer load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
+    z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
+    dispatch: str = "grouped"
+    """Expert dispatch: 'grouped' (sort token-slots by expert, grouped matmul) or 'loop' (per-expert reference)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init; output projections are scaled by 1/sqrt(2 n_layers)."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
+                      "n_experts", "top_k", "d_expert", "moe_every", "d_dense"):
+            check_positive(field, getattr(self, field))
+        for field in ("d_shared_expert", "aux_loss_coef", "z_loss_coef", "init_std"):
+            check_positive(field, getattr(self, field), allow_zero=True)
+        check_positive("norm_eps", self.norm_eps)
+        check_choice("dispatch", self.dispatch, DISPATCH_MODES)
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for rotary embeddings")
+        if self.moe_every > self.n_layers:
+            raise ConfigError(f"moe_every={self.moe_every} must be <= n_layers={self.n_layers} (else no MoE layer)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def is_moe_block(self, block_index: int) -> bool:
+        """Whether block `block_index` has an MoE feed-forward (Qwen3-MoE's decoder_sparse_step rule)."""
+        return (block_index + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))

@@ -1,0 +1,138 @@
+"""Dense building blocks: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention with a KV cache.
+
+Shapes: B batch, S sequence (this call), P positions in the cache, H query heads, Hkv key/value heads,
+Dh head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_rl.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).type_as(x)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer), rotate-half layout, positions given per token."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles_BSh = positions_BS.float()[..., None] * self.inv_freq  # (B, S, Dh/2)
+        angles_BSDh = torch.cat([angles_BSh, angles_BSh], dim=-1)
+        # (B, 1, S, Dh): broadcast over heads
+        return angles_BSDh.cos()[:, None], angles_BSDh.sin()[:, None]
+
+
+def apply_rotary(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHSDh.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHSDh.float() * cos + rotated.float() * sin).type_as(x_BHSDh)
+
+
+class SwiGLU(nn.Module):
+    """Dense feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * d_hidden, bias=False)
+        self.down = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class KVCache:
+    """Preallocated keys and values for every layer; `length` positions are filled."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+        self.max_len = max_len
+
+    def append(self, layer: int, k_BHSDh: torch.Tensor, v_BHSDh: torch.Tensor):
+        """Store this call's keys/values for `layer`; return all keys/values up to and including them."""
+        start, end = self.length, self.length + k_BHSDh.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; this step needs {end}")
+        self.k[layer, :, :, start:end] = k_BHSDh
+        self.v[layer, :, :, start:end] = v_BHSDh
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Called once per model forward, after every layer appended its `n` new positions."""
+        self.length += n
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention through scaled_dot_product_attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x_BSD, cos, sin, mask_B1SP, cache: KVCache | None = None):
+        B, S, _ = x_BSD.shape
+        q = self.q(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
+        kv = self.kv(x_BSD).view(B, S, 2, self.n_kv_heads, self.head_dim)
+        k, v = kv.unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, Dh)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(self.layer_index, k, v)  # (B, Hkv, P, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SP, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(B, S, -1))
+
+
+def attention_mask(valid_BP: torch.Tensor, query_len: int) -> torch.Tensor:
+    """Boolean mask (B, 1, S, P) for the last `query_len` of P positions: causal, padding keys hidden.
+
+    Each query may always see itself, so a padding query never has an empty row (which would give NaN);
+    its output is garbage but finite, and padding positions are masked out of every loss and metric.
+    """
+    P = valid_BP.shape[1]
+    q_pos = torch.arange(P - query_len, P, device=valid_BP.device)
+    k_pos = torch.arange(P, device=valid_BP.device)
+    causal_SP = k_pos[None, :] <= q_pos[:, None]
+    self_SP = k_pos[None, :] == q_pos[:, None]
+    return ((causal_SP[None] & valid_BP[:, None, :]) | self_SP[None])[:, None]
+
+
+def positions_from_mask(valid_BS: torch.Tensor) -> torch.Tensor:
+    """Position ids counting valid tokens only, so left padding does not shift a prompt's positions."""
+    return (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
+    """Normal(0, init_std) for matrices; residual output projections scaled down by depth (GPT-2)."""
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    for name, p in module.named_parameters():
+        if p.dim() < 2:
+            continue
+        is_residual_out = name.endswith(("out.weight", "down.weight", "w_down"))
+        nn.init.normal_(p, mean=0.0, std=out_std if is_residual_out else cfg.init_std)

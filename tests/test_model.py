@@ -1,0 +1,113 @@
+"""The native MoE transformer: config validation, dispatch paths, padding, auxiliary losses."""
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_model
+from moe_rl.errors import ConfigError
+from moe_rl.model import MoETransformer
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(top_k=7, n_experts=6), "top_k"),
+        (dict(d_model=30, n_heads=4), "n_heads"),
+        (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+        (dict(dispatch="fast"), "dispatch"),
+        (dict(n_layers=0), "n_layers"),
+        (dict(moe_every=5, n_layers=3), "moe_every"),
+    ],
+)
+def test_invalid_config_names_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        tiny_config(**overrides)
+
+
+def test_bad_dispatch_lists_choices():
+    with pytest.raises(ConfigError, match="'grouped', 'loop'"):
+        tiny_config(dispatch="fast")
+
+
+def assert_close_to_scale(actual, expected, rel=1e-5, msg=""):
+    """Equal up to fp32 rounding relative to the tensor's own scale (elementwise rtol fails on near-zeros)."""
+    scale = expected.abs().max().item() + 1e-12
+    assert (actual - expected).abs().max().item() <= rel * scale, msg
+
+
+def _forward_backward(model, ids, valid):
+    out = model(ids, valid)
+    # A non-uniform upstream gradient so every parameter's gradient is exercised.
+    weights = torch.linspace(-1, 1, out.logits_BSV.numel()).view_as(out.logits_BSV)
+    ((out.logits_BSV * weights).sum() + out.aux_loss).backward()
+    return out.logits_BSV.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("d_shared_expert", [0, 16])
+def test_grouped_and_loop_dispatch_agree(d_shared_expert):
+    grouped = tiny_model(dispatch="grouped", d_shared_expert=d_shared_expert)
+    loop = MoETransformer(tiny_config(dispatch="loop", d_shared_expert=d_shared_expert))
+    loop.load_state_dict(grouped.state_dict())
+    ids = torch.randint(0, 40, (3, 11))
+    valid = torch.ones(3, 11, dtype=torch.bool)
+    logits_g, grads_g = _forward_backward(grouped, ids, valid)
+    logits_l, grads_l = _forward_backward(loop, ids, valid)
+    torch.testing.assert_close(logits_g, logits_l, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_g.items():
+        assert_close_to_scale(grad, grads_l[name], msg=name)
+
+
+def test_dispatch_paths_agree_when_experts_get_no_tokens():
+    grouped = tiny_model(n_experts=8, top_k=1, dispatch="grouped")
+    loop = MoETransformer(tiny_config(n_experts=8, top_k=1, dispatch="loop"))
+    loop.load_state_dict(grouped.state_dict())
+    ids, valid = torch.randint(0, 40, (1, 3)), torch.ones(1, 3, dtype=torch.bool)  # 3 tokens, 8 experts
+    logits_g, grads_g = _forward_backward(grouped, ids, valid)
+    logits_l, grads_l = _forward_backward(loop, ids, valid)
+    torch.testing.assert_close(logits_g, logits_l, rtol=1e-5, atol=1e-5)
+    w_down = "blocks.0.ffn.experts.w_down"
+    idle_experts = (grads_g[w_down].abs().sum(dim=(1, 2)) == 0).sum()
+    assert idle_experts >= 5, "with 3 tokens and top-1, at least 5 of 8 experts must be idle"
+    for name, grad in grads_g.items():
+        assert_close_to_scale(grad, grads_l[name], msg=name)
+
+
+def test_padding_does_not_change_real_tokens():
+    model = tiny_model().eval()
+    ids = torch.randint(3, 40, (1, 9))
+    unpadded = model(ids).logits_BSV
+    padded_ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], dim=1)
+    valid = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 9, dtype=torch.bool)], dim=1)
+    padded = model(padded_ids, valid).logits_BSV[:, 4:]
+    torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(model(padded_ids, valid).logits_BSV).all()
+
+
+def test_moe_every_mixes_dense_and_moe_blocks():
+    model = tiny_model(n_layers=4, moe_every=2)
+    assert [b.is_moe for b in model.blocks] == [False, True, False, True]
+    assert [layer.moe_index for layer in model.moe_layers()] == [0, 1]
+
+
+def test_load_balancing_loss_is_one_when_balanced():
+    from moe_rl.model.moe import load_balancing_loss
+
+    scores_TE = torch.full((4, 4), 0.25)
+    ids_TK = torch.tensor([[0], [1], [2], [3]])
+    assert load_balancing_loss(scores_TE, ids_TK).item() == pytest.approx(1.0)
+    skewed = torch.tensor([[0], [0], [0], [0]])
+    assert load_balancing_loss(scores_TE, skewed).item() == pytest.approx(1.0)  # uniform P: f does not matter
+    peaked = torch.tensor([[1.0, 0, 0, 0]] * 4)
+    assert load_balancing_loss(peaked, skewed).item() == pytest.approx(4.0)
+
+
+def test_aux_loss_only_counts_valid_tokens_and_is_off_without_grad():
+    model = tiny_model()
+    ids = torch.randint(0, 40, (2, 8))
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    full = model(ids, valid).lb_loss
+    valid_half = valid.clone()
+    valid_half[:, :4] = False
+    assert not torch.isclose(model(ids, valid_half).lb_loss, full)
+    with torch.no_grad():
+        assert model(ids, valid).aux_loss is None
