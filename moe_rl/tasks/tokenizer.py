@@ -1,0 +1,72 @@
+"""Tokenizers: the small protocol the rest of the toolkit codes against, and the character tokenizer of the tiny models.
+
+`encode` never adds special tokens: the caller (rollout, SFT batching) places BOS and EOS itself, so a Hugging Face
+tokenizer is adapted by calling it with `add_special_tokens=False`. `decode` reads a generated sequence: it stops at
+the first EOS (excluded) and skips PAD and BOS, so a padded row decodes to exactly the completion text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the trainer, the sampler and the tasks need from a tokenizer."""
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids, without special tokens. Raises ValueError for text the vocabulary cannot hold."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text, stopping at the first EOS (excluded) and skipping PAD and BOS."""
+        ...
+
+
+# Fixed, task-independent vocabulary: a checkpoint trained on one task can be evaluated on another.
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+_SPECIALS = 3
+_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII, then newline
+
+
+class CharTokenizer:
+    """One token per character: ids 0..2 are PAD, BOS, EOS; 3..97 are ASCII 32..126; 98 is '\\n'. vocab_size = 99."""
+
+    vocab_size = _SPECIALS + len(_CHARS)
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+
+    def __init__(self) -> None:
+        self._id_of = {ch: _SPECIALS + i for i, ch in enumerate(_CHARS)}
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> one id per character. Raises ValueError naming the first character outside the vocabulary."""
+        try:
+            return [self._id_of[ch] for ch in text]
+        except KeyError as err:
+            ch = err.args[0]
+            raise ValueError(
+                f"character {ch!r} (U+{ord(ch):04X}) at position {text.index(ch)} is not in the character "
+                "vocabulary (printable ASCII and newline)"
+            ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids (ints or 0-d tensors) -> text up to the first EOS; PAD and BOS are skipped. Unknown ids raise."""
+        chars = []
+        for token in ids:
+            token = int(token)
+            if token == EOS_ID:
+                break
+            if token in (PAD_ID, BOS_ID):
+                continue
+            if not _SPECIALS <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+            chars.append(_CHARS[token - _SPECIALS])
+        return "".join(chars)
