@@ -1,0 +1,86 @@
+"""Provenance for manifest.json: when, where, on what device and from which code and packages a run ran.
+
+Every function here tolerates what a laptop, a container or a cluster node may lack (no git, no CUDA, a package that
+is not installed) by reporting None instead of failing: a missing fact must never stop a run from starting.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The packages whose version can change a result; python and CUDA are always recorded.
+VERSIONED_PACKAGES = (
+    "moe-rl", "torch", "numpy", "pandas", "pyarrow", "transformers", "datasets", "reasoning-gym", "tyro",
+)
+
+
+def utc_now() -> str:
+    """The current time as UTC ISO 8601, e.g. 2025-07-24T09:30:00+00:00."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_state(folder: str | os.PathLike) -> dict[str, Any]:
+    """{"sha", "dirty"} of the git checkout holding `folder`; both None outside git or where git is missing.
+
+    Untracked files count as dirty: a new module that was never committed can change what ran.
+    """
+    sha = _git(folder, "rev-parse", "HEAD")
+    if sha is None:
+        return {"sha": None, "dirty": None}
+    status = _git(folder, "status", "--porcelain")
+    return {"sha": sha, "dirty": None if status is None else bool(status)}
+
+
+def _git(folder: str | os.PathLike, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def package_versions(names: Iterable[str] = VERSIONED_PACKAGES) -> dict[str, str | None]:
+    """Installed versions of python and of `names`; None for a package that is not installed."""
+    versions: dict[str, str | None] = {"python": platform.python_version(), "cuda": torch.version.cuda}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def describe_device(device: str | torch.device | None = None) -> str:
+    """"cpu" or "cuda:0 (NVIDIA H200)"; with no device given, the one a run would pick."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def environment(device: str | torch.device | None) -> dict[str, Any]:
+    """What may differ between a run and its resume: machine, device, code version, command line."""
+    return {
+        "host": socket.gethostname(),
+        "device": describe_device(device),
+        "command": list(sys.argv),
+        "git": git_state(Path(__file__).parent),
+        "packages": package_versions(),
+    }
+

@@ -1,0 +1,320 @@
+"""The run directory: everything one training run leaves behind, and the readers analysis uses on it.
+
+    runs/<name>/
+      config.json                  the resolved config, exactly what ran (rewritten on resume with the allowed changes)
+      manifest.json                where and how it ran, and how it ended (see `RunDir`)
+      metrics.jsonl                one JSON object per optimizer step: {"step": 12, "wall_time": ..., "loss": ...}
+      routing/step_000012.parquet  per-step, per-layer churn tables
+      samples/step_000012.parquet  prompts, completions, rewards of sampled steps
+      checkpoints/                 latest.pt and step_000100.pt (written by moe_rl.checkpoint)
+
+Writers, used by the trainer on rank 0 only: `RunDir`, `MetricsWriter` (via `RunDir.open_metrics`), `write_table`.
+Readers, used by analysis on a path, no RunDir needed: `read_config`, `read_manifest`, `read_metrics`, `read_tables`.
+Neighbours: moe_rl.jsonlog (the metrics.jsonl format, NaN policy), moe_rl.provenance (the manifest's facts),
+moe_rl.atomic (every whole-file write), moe_rl.trackers (optional TensorBoard / W&B mirrors).
+
+The trainer's side, in short (checkpoint functions from moe_rl.checkpoint):
+
+    run = RunDir(out_dir, cfg, resume=cfg.resume)
+    start = restore_training_state(load_latest(run), model, optimizer, ...) if cfg.resume else 0
+    with run, run.open_metrics(resume_from_step=start if cfg.resume else None) as metrics:
+        for step in range(start + 1, cfg.total_steps + 1):
+            ...
+            metrics.write({"loss": loss, ...}, step=step)
+            if not math.isfinite(loss):
+                run.mark_diverged(f"loss is {loss} at step {step}")
+                break
+            save_checkpoint(run, step, training_state(model, optimizer, ...), keep_every=100)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from moe_rl.atomic import atomic_write, atomic_write_text, remove_stale_temp_files
+from moe_rl.errors import ConfigError, DataError, check_choice
+from moe_rl.jsonlog import MetricsWriter, read_jsonl
+from moe_rl.provenance import environment, utc_now
+
+if TYPE_CHECKING:
+    from moe_rl.trackers import Tracker
+
+STATUSES = ("running", "finished", "diverged", "failed")
+TABLE_KINDS = ("routing", "samples")
+# Config fields that may differ between a run and its resume. An entry with a dot names one field
+# ("train.total_steps"); an entry without a dot names a field at any depth. Everything else must match, or the
+# resumed run would silently be a different experiment than the one its first half belongs to.
+RESUMABLE_FIELDS = ("total_steps", "resume", "log_every", "checkpoint_every", "keep_every", "trackers")
+ABSENT = "<absent>"  # a config field that one of two configs lacks
+
+
+class RunExistsError(FileExistsError):
+    """A new run was started in a directory that already holds one."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain JSON data: dataclasses (nested) become dicts, tuples lists, paths and dtypes strings."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dataclass instance or a dict, got {type(config).__name__}")
+    # A JSON round trip makes a fresh config comparable with one read back from config.json (tuple == list, ...).
+    return json.loads(json.dumps(config, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    """Encode the non-JSON types a config may hold."""
+    if isinstance(value, (Path, torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot write a {type(value).__name__} to JSON: {value!r}")
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}, so that a difference can be named by its dotted path."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old value, new value)} for every field that differs; a missing field reads as ABSENT."""
+    old_flat, new_flat = flatten(old), flatten(new)
+    pairs = {key: (old_flat.get(key, ABSENT), new_flat.get(key, ABSENT)) for key in old_flat.keys() | new_flat.keys()}
+    return {key: pair for key, pair in sorted(pairs.items()) if pair[0] != pair[1]}
+
+
+def _may_change_on_resume(key: str, allowed: Iterable[str]) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return any(entry == key or ("." not in entry and entry == leaf) for entry in allowed)
+
+
+def check_resumable(saved: Mapping, new: Mapping, may_change: Iterable[str], where: Path) -> dict[str, tuple]:
+    """Refuse to resume when the config changed outside `may_change`; return the changes that are allowed."""
+    may_change = tuple(may_change)
+    differences = config_differences(saved, new)
+    refused = {key: pair for key, pair in differences.items() if not _may_change_on_resume(key, may_change)}
+    if refused:
+        lines = "\n".join(f"  {key}: saved {old!r}, now {new!r}" for key, (old, new) in refused.items())
+        raise ConfigError(
+            f"cannot resume {where}: the config differs from its config.json in {', '.join(refused)}:\n{lines}\n"
+            f"Only {', '.join(may_change)} may change on resume; start a new run (a new name) to change the others."
+        )
+    return differences
+
+
+def _find_seed(config: Mapping[str, Any]) -> Any:
+    """The config's one field named `seed`, at any depth; None when there is none or more than one."""
+    seeds = [value for key, value in flatten(config).items() if key.rsplit(".", 1)[-1] == "seed"]
+    return seeds[0] if len(seeds) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run directory
+
+
+class RunDir:
+    """One run's directory. Creating it starts the run (or, with resume=True, continues it) and marks it running.
+
+    manifest.json holds: name, status (running | finished | diverged | failed), reason, started_at, ended_at (UTC ISO),
+    seed, host, device, command (sys.argv), git {sha, dirty}, packages {name: version}, and resumes: one entry per
+    resume with its time, host, device, command, git and the config changes it made ({key: [old, new]}).
+
+    Use it as a context manager to mark the run failed on an exception and finished on a normal exit. Only one
+    process (rank 0) may hold a RunDir for a path.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        config: Any,
+        *,
+        resume: bool = False,
+        seed: int | None = None,
+        device: str | torch.device | None = None,
+        may_change_on_resume: Sequence[str] = RESUMABLE_FIELDS,
+    ):
+        self.path = Path(path)
+        self.config = config_to_dict(config)
+        self.config_path = self.path / "config.json"
+        self.manifest_path = self.path / "manifest.json"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.checkpoints_dir = self.path / "checkpoints"
+        if resume:
+            self.manifest = self._continue_run(device, may_change_on_resume)
+        else:
+            self.manifest = self._start_run(seed, device)
+        self.mark_running()
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def _start_run(self, seed: int | None, device: str | torch.device | None) -> dict[str, Any]:
+        existing = self._run_files()
+        if existing:
+            raise RunExistsError(
+                f"{self.path} already holds a run ({', '.join(existing)}); "
+                "pass --resume to continue it, or choose a new run name"
+            )
+        self._make_folders()
+        self.metrics_path.touch()
+        atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")
+        seed = _find_seed(self.config) if seed is None else seed
+        started = {"status": "running", "reason": None, "started_at": utc_now(), "ended_at": None}
+        return {"name": self.path.name, **started, "seed": seed, **environment(device), "resumes": []}
+
+    def _continue_run(self, device: str | torch.device | None, may_change: Sequence[str]) -> dict[str, Any]:
+        if not self.config_path.exists():
+            raise FileNotFoundError(f"nothing to resume in {self.path}: it has no config.json; start a new run instead")
+        changed = check_resumable(read_config(self.path), self.config, may_change, self.path)
+        remove_stale_temp_files(self.path)  # the process that left them is dead: we are resuming its run
+        self._make_folders()
+        atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")
+        manifest = read_manifest(self.path)
+        entry = {"at": utc_now(), **environment(device), "changed": {k: list(v) for k, v in changed.items()}}
+        manifest.setdefault("resumes", []).append(entry)
+        return manifest
+
+    def _run_files(self) -> list[str]:
+        """The files whose presence means a run already lives here."""
+        found = [self.metrics_path] if self.metrics_path.exists() else []
+        if self.checkpoints_dir.is_dir():
+            found += sorted(p for p in self.checkpoints_dir.iterdir() if not p.name.startswith("."))
+        return [str(p.relative_to(self.path)) for p in found]
+
+    def _make_folders(self) -> None:
+        for folder in (self.checkpoints_dir, *(self.path / kind for kind in TABLE_KINDS)):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    # -- status ---------------------------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        return self.manifest["status"]
+
+    def mark_running(self) -> None:
+        """Mark the run as in progress (done on creation and on resume)."""
+        self.manifest.update(status="running", reason=None, ended_at=None)
+        self._write_manifest()
+
+    def mark_finished(self, reason: str | None = None) -> None:
+        self._end("finished", reason)
+
+    def mark_diverged(self, reason: str) -> None:
+        """A NaN or Inf in the loss or gradients; `reason` says which value and at which step."""
+        self._end("diverged", reason)
+
+    def mark_failed(self, reason: str) -> None:
+        self._end("failed", reason)
+
+    def _end(self, status: str, reason: str | None) -> None:
+        check_choice("status", status, STATUSES)
+        # The first ending is the true one: a run that diverged and then left its loop normally stays diverged.
+        if self.status != "running":
+            return
+        self.manifest.update(status=status, reason=reason, ended_at=utc_now())
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        atomic_write_text(self.manifest_path, json.dumps(self.manifest, indent=2) + "\n")
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc is None:
+            self.mark_finished()
+        else:
+            self.mark_failed(f"{exc_type.__name__}: {exc}")
+        return False
+
+    # -- writers ----------------------------------------------------------------------------------------------------
+
+    def open_metrics(self, *, resume_from_step: int | None = None, trackers: Iterable[Tracker] = ()) -> MetricsWriter:
+        """The metrics writer; on resume, also drops the routing and sample tables logged after the checkpoint."""
+        if resume_from_step is not None:
+            prune_tables(self.path, after_step=resume_from_step)
+        return MetricsWriter(self.metrics_path, resume_from_step=resume_from_step, trackers=trackers)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Readers
+
+
+def read_metrics(run_or_file: str | os.PathLike) -> list[dict[str, Any]]:
+    """The metrics of a run, given its directory or its metrics.jsonl."""
+    path = Path(run_or_file)
+    return read_jsonl(path / "metrics.jsonl" if path.is_dir() else path)
+
+
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parquet tables: routing/ and samples/
+
+
+def table_path(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
+    check_choice("table kind", kind, TABLE_KINDS)
+    return Path(run_dir) / kind / f"step_{step:06d}.parquet"
+
+
+def write_table(run_dir: str | os.PathLike, kind: str, step: int, rows: Sequence[Mapping] | pd.DataFrame) -> Path:
+    """Atomically write one step's rows to <run>/<kind>/step_XXXXXX.parquet, with a `step` column added."""
+    path = table_path(run_dir, kind, step)
+    frame = pd.DataFrame(rows).copy()
+    if "step" not in frame.columns:
+        frame.insert(0, "step", step)
+    elif (frame["step"] != step).any():
+        raise DataError(f"{path}: rows carry steps other than {step}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda file: frame.to_parquet(file, index=False))
+
+
+def _table_files(run_dir: str | os.PathLike, kind: str) -> list[tuple[int, Path]]:
+    """(step, file) of one kind of table, in step order."""
+    check_choice("table kind", kind, TABLE_KINDS)
+    files = (Path(run_dir) / kind).glob("step_*.parquet")
+    return sorted((int(path.stem.removeprefix("step_")), path) for path in files)
+
+
+def read_tables(run_dir: str | os.PathLike, kind: str) -> pd.DataFrame:
+    """All of a run's tables of one kind, concatenated in step order; an empty frame when there are none."""
+    frames = [pd.read_parquet(path) for _, path in _table_files(run_dir, kind)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def prune_tables(run_dir: str | os.PathLike, after_step: int) -> list[Path]:
+    """Delete the tables of steps after `after_step` (a resumed run writes those steps again)."""
+    removed = [path for kind in TABLE_KINDS for step, path in _table_files(run_dir, kind) if step > after_step]
+    for path in removed:
+        path.unlink()
+    return removed
