@@ -92,7 +92,8 @@ class MoETransformer(nn.Module):
             valid_BP = torch.ones(B, past + S, dtype=torch.bool, device=input_ids_BS.device)
         valid_BS = valid_BP[:, -S:]
         cos, sin = self.rotary.cos_sin(positions_from_mask(valid_BP)[:, -S:])
-        mask_B1SP = attention_mask(valid_BP, S)
+        full_causal = cache is None and bool(valid_BP.all())
+        mask_B1SP = None if full_causal else attention_mask(valid_BP, S)
 
         x_BSD = self.embed(input_ids_BS)
         lb_losses, z_losses = [], []
