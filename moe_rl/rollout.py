@@ -147,3 +147,97 @@ def _record_full(model, tokens_BS, valid_BS) -> RoutingTrace:
     with record_routing(model) as recorder:
         model(tokens_BS[:, :-1], valid_BS[:, :-1])
     return recorder.trace()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Group rollouts: B prompts x G completions, rewards and group-normalised advantages
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout batch laid out for teacher forcing. Rows are completions; N is the response window.
+
+    The model input is `input_ids_BS` (S = P + N - 1 positions); position P-1+n scores response token n.
+    """
+
+    input_ids_BS: torch.Tensor
+    input_valid_BS: torch.Tensor
+    prompt_len: int
+    response_BN: torch.Tensor
+    response_mask_BN: torch.Tensor
+    sampler_logp_BN: torch.Tensor
+    rewards_B: torch.Tensor
+    advantages_B: torch.Tensor
+    group_B: torch.Tensor  # which prompt of the step each row answers
+    sampler_routing: RoutingTrace | None
+    prompts: list[str]
+    completions: list[str]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_BS.shape[0]
+
+    def rows(self, index: torch.Tensor) -> RolloutBatch:
+        """The rows `index` (a LongTensor of row numbers), e.g. a minibatch or a data-parallel shard."""
+        pick = index.tolist()
+        fields = {
+            name: value[index] if isinstance(value, torch.Tensor) else value
+            for name, value in vars(self).items()
+        }
+        fields["sampler_routing"] = self.sampler_routing.rows(index) if self.sampler_routing is not None else None
+        fields["prompts"] = [self.prompts[i] for i in pick]
+        fields["completions"] = [self.completions[i] for i in pick]
+        return RolloutBatch(**fields)
+
+    def token_mask_BS(self, tokens: str = "response") -> torch.Tensor:
+        """Input positions whose routing churn is measured: 'response' = those that score a response token,
+        'all' = every real (non-padding) input position."""
+        if tokens == "all":
+            return self.input_valid_BS
+        mask_BS = torch.zeros_like(self.input_valid_BS)
+        mask_BS[:, self.prompt_len - 1 :] = self.response_mask_BN
+        return mask_BS
+
+
+def encode_prompts(prompts: list[str], tokenizer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[BOS] + prompt ids for every prompt, left-padded into (ids_BP, valid_BP)."""
+    encoded = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    ids_BP = torch.full((len(encoded), width), tokenizer.pad_id, dtype=torch.long)
+    valid_BP = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for row, ids in enumerate(encoded):
+        ids_BP[row, width - len(ids) :] = torch.tensor(ids)
+        valid_BP[row, width - len(ids) :] = True
+    return ids_BP.to(device), valid_BP.to(device)
+
+
+def generate_groups(model, task, tokenizer, problems, group_size: int, cfg: SamplingConfig,
+                    generator: torch.Generator | None, record: bool) -> tuple[Generation, torch.Tensor, list[str]]:
+    """Sample `group_size` completions per problem; return the generation, rewards (rows grouped by problem:
+    row i*G + g is completion g of problem i) and the decoded completions."""
+    device = next(model.parameters()).device
+    prompts = [p.prompt for p in problems for _ in range(group_size)]
+    ids_BP, valid_BP = encode_prompts(prompts, tokenizer, device)
+    gen = generate(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record)
+    completions = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
+    rewards = [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
+    return gen, torch.tensor(rewards, dtype=torch.float32), completions
+
+
+def to_rollout_batch(gen: Generation, rewards_B: torch.Tensor, advantages_B: torch.Tensor, group_size: int,
+                     prompts: list[str], completions: list[str]) -> RolloutBatch:
+    device = gen.tokens_BS.device
+    return RolloutBatch(
+        input_ids_BS=gen.input_ids_BS,
+        input_valid_BS=gen.input_valid_BS,
+        prompt_len=gen.prompt_len,
+        response_BN=gen.response_BN,
+        response_mask_BN=gen.response_mask_BN,
+        sampler_logp_BN=gen.logprobs_BN,
+        rewards_B=rewards_B.to(device),
+        advantages_B=advantages_B.to(device),
+        group_B=torch.arange(len(prompts), device=device) // group_size,
+        sampler_routing=gen.routing,
+        prompts=prompts,
+        completions=completions,
+    )

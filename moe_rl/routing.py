@@ -216,6 +216,7 @@ class ChurnStats:
     churn: float  # mean over (token, layer) of 1 - |S_A ∩ S_B| / K
     churn_per_layer: list[float]  # the same, per MoE layer
     set_change: float  # mean over (token, layer) of 1[S_A != S_B]
+    set_change_per_layer: list[float]  # the same, per MoE layer
     token_any: float  # mean over tokens of 1[S_A != S_B in some layer]
     layers_changed: float  # mean over tokens of the number of layers with S_A != S_B
     n_tokens: int
@@ -250,13 +251,14 @@ def churn_stats(a: RoutingTrace, b: RoutingTrace, mask_BS: torch.Tensor | None =
     n_tokens = a_LTK.shape[1]
     if n_tokens == 0:
         nan = float("nan")
-        return ChurnStats(nan, [nan] * a.n_layers, nan, nan, nan, 0)
+        return ChurnStats(nan, [nan] * a.n_layers, nan, [nan] * a.n_layers, nan, nan, 0)
     changed_frac_LT = 1.0 - expert_overlap(a_LTK, b_LTK).float() / a.top_k
     set_changed_LT = changed_frac_LT > 0
     return ChurnStats(
         churn=changed_frac_LT.mean().item(),
         churn_per_layer=changed_frac_LT.mean(dim=1).tolist(),
         set_change=set_changed_LT.float().mean().item(),
+        set_change_per_layer=set_changed_LT.float().mean(dim=1).tolist(),
         token_any=set_changed_LT.any(dim=0).float().mean().item(),
         layers_changed=set_changed_LT.sum(dim=0).float().mean().item(),
         n_tokens=n_tokens,

@@ -1,0 +1,72 @@
+"""The `moe-rl` command: one subcommand per entry point, each config parsed by tyro (so `--help` documents
+every field).
+
+    moe-rl sft   --help        supervised warm start
+    moe-rl train --help        RL on the native MoE model
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moe_rl.errors import ConfigError, DataError, RoutingError
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    load: Callable[[], tuple[type, Callable]]  # lazy: (config class, function taking the config)
+
+
+def _train():
+    from moe_rl.config import TrainConfig
+    from moe_rl.train import train
+
+    return TrainConfig, train
+
+
+def _sft():
+    from moe_rl.config import SFTConfig
+    from moe_rl.sft import sft
+
+    return SFTConfig, sft
+
+
+COMMANDS: dict[str, Command] = {
+    "sft": Command("supervised warm start on task solutions (writes a checkpoint for --init-from)", _sft),
+    "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
+}
+
+
+def usage() -> str:
+    lines = ["usage: moe-rl <command> [--help] [options]", "", "commands:"]
+    lines += [f"  {name:<8} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"moe-rl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    import tyro
+
+    config_class, run = COMMANDS[name].load()
+    module_doc = sys.modules[run.__module__].__doc__
+    try:
+        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc)
+        run(cfg)
+    except (ConfigError, DataError, RoutingError) as err:
+        print(f"moe-rl {name}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Run configs: one dataclass per concern, nested into `TrainConfig` (RL) and `SFTConfig` (warm start).
+
+tyro turns the docstring under each field into `--help`, so this file is the reference for every knob.
+Validation happens at construction; a bad value names its field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_rl.errors import ConfigError, check_choice, check_positive
+from moe_rl.model import ModelConfig
+from moe_rl.objectives import ObjectiveConfig
+from moe_rl.probes import ProbeConfig
+from moe_rl.rollout import SamplingConfig
+from moe_rl.tasks import TaskConfig
+
+ROUTING_MODES = ("native", "R2", "R3")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup to a constant learning rate, and gradient-norm clipping."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr; constant afterwards."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class RolloutConfig:
+    """How many completions each rollout step samples, and how."""
+
+    prompts_per_step: int = 16
+    """Prompts per rollout step (B); the rollout batch holds B x G completions."""
+    group_size: int = 8
+    """Completions per prompt (G), the group whose rewards normalise the advantage."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_positive("prompts_per_step", self.prompts_per_step)
+        if self.group_size < 2:
+            raise ConfigError(f"group_size={self.group_size} must be >= 2: group-normalised advantages need a group")
+
+
+@dataclass
+class LogConfig:
+    """What is written to the run directory besides metrics.jsonl."""
+
+    samples_every: int = 10
+    """Write prompts, completions and rewards to samples/ every n-th rollout step; 0 disables."""
+    samples_per_step: int = 16
+    """How many completions each samples/ table keeps."""
+    eval_every: int = 0
+    """Evaluate mean reward on the held-out split every n-th rollout step (and at the end); 0 disables."""
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation (one sampled completion each, at the training temperature)."""
+    trackers: tuple[str, ...] = ()
+    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("samples_every", "samples_per_step", "eval_every"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("eval_prompts", self.eval_prompts)
+        for tracker in self.trackers:
+            check_choice("trackers", tracker, ("tensorboard", "wandb"))
+
+
+@dataclass
+class TrainConfig:
+    """One RL run: a task with verifiable rewards, an objective and a routing mode on the native MoE model."""
+
+    out_dir: str = "runs/default"
+    """Run directory (config.json, manifest.json, metrics.jsonl, routing/, samples/, checkpoints/)."""
+    seed: int = 0
+    """Seeds model init (without init_from), sampling, minibatch shuffling and probe subsampling."""
+    total_steps: int = 50
+    """Rollout steps; each makes `minibatches` optimizer steps."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch; the paper's 4 makes 3 of 4 updates off-policy."""
+    routing_mode: str = "native"
+    """native: routers choose freely; R2: replay the old pass's routing in every update; R3: replay the
+    sampler's routing in the old pass and in every update."""
+    kl_coef: float = 0.0
+    """Coefficient of a k3 KL penalty to the frozen initial policy (0 = none, the paper's default)."""
+    init_from: str | None = None
+    """Checkpoint to start from (e.g. the SFT warm start, runs/sft/checkpoints/latest.pt); None = random init."""
+    resume: bool = False
+    """Continue the run in out_dir from its latest checkpoint."""
+    checkpoint_every: int = 25
+    """Save checkpoints/latest.pt every n rollout steps (and at the end)."""
+    keep_every: int | None = None
+    """Also keep a copy checkpoints/step_XXXXXX.pt every n rollout steps; None keeps only the latest."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda. On cuda the model runs under bf16 autocast; on cpu in fp32."""
+    threads: int = 1
+    """torch CPU threads; 1 is fastest for tiny models on small machines (README, "Threads")."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
+        check_choice("device", self.device, DEVICES)
+        for name in ("total_steps", "minibatches", "checkpoint_every", "threads"):
+            check_positive(name, getattr(self, name))
+        check_positive("kl_coef", self.kl_coef, allow_zero=True)
+        if self.keep_every is not None:
+            check_positive("keep_every", self.keep_every)
+        rollout_rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if rollout_rows % self.minibatches:
+            raise ConfigError(
+                f"minibatches={self.minibatches} must divide the rollout batch "
+                f"prompts_per_step x group_size = {rollout_rows}"
+            )
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on task solutions, so RL begins from a policy with partial success."""
+
+    out_dir: str = "runs/sft"
+    """Run directory; the RL run loads out_dir/checkpoints/latest.pt through --init-from."""
+    seed: int = 0
+    """Seeds model init and batch order."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Problems per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, linear warmup then cosine decay to 10%)."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    eval_every: int = 50
+    """Measure sampled reward on held-out prompts every n steps (and at the end)."""
+    eval_prompts: int = 128
+    """Held-out prompts per evaluation."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    threads: int = 1
+    """torch CPU threads."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads"):
+            check_positive(name, getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
