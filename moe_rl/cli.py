@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from moe_rl.errors import ConfigError, DataError, RoutingError
 
+# Errors that are the user's input, not a bug: printed as one line, exit status 2. FileNotFoundError covers a
+# missing data file and a resume with nothing to resume; FileExistsError a run directory that is already used.
+USER_ERRORS = (ConfigError, DataError, RoutingError, FileNotFoundError, FileExistsError)
+
 
 @dataclass(frozen=True)
 class Command:
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc)
         run(cfg)
-    except (ConfigError, DataError, RoutingError) as err:
+    except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -39,6 +39,8 @@ class MetricsWriter:
     resume_from_step: the step of the checkpoint a resumed run starts from. Lines with a larger step were logged
         after that checkpoint and the resumed run logs those steps again, so they are dropped here.
     trackers: optional mirrors (moe_rl.trackers); each line goes to them after it is safe on disk.
+    tracker_step_key: the field trackers use as their x axis (default: step_key). The RL trainer writes several
+        lines per rollout step and mirrors them at their global optimizer step, "update".
     """
 
     def __init__(
@@ -48,10 +50,12 @@ class MetricsWriter:
         resume_from_step: int | None = None,
         step_key: str = "step",
         trackers: Iterable[Tracker] = (),
+        tracker_step_key: str | None = None,
         fsync: bool = True,
     ):
         self.path = Path(path)
         self.step_key = step_key
+        self.tracker_step_key = tracker_step_key or step_key
         self.trackers = list(trackers)
         self._fsync = fsync  # flush alone survives a killed process; fsync also survives a crashed machine
         self._keep_complete_lines(resume_from_step)
@@ -92,10 +96,11 @@ class MetricsWriter:
         return {self.step_key: int(step), "wall_time": time.time(), **values}
 
     def _mirror(self, record: dict[str, Any]) -> None:
-        metrics = {k: v for k, v in record.items() if k != self.step_key}
+        metrics = {k: v for k, v in record.items() if k not in (self.step_key, self.tracker_step_key)}
+        x = record.get(self.tracker_step_key, record[self.step_key])
         for tracker in self.trackers:
             try:
-                tracker.log(metrics, record[self.step_key])
+                tracker.log(metrics, x)
             except Exception:  # a mirror outage must not end a run: metrics.jsonl already holds the line
                 logger.exception("tracker %s failed to log step %s", type(tracker).__name__, record[self.step_key])
 

@@ -85,6 +85,8 @@ def left_align(ids_BP: torch.Tensor, valid_BP: torch.Tensor) -> tuple[torch.Tens
 def sample_next(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
     """Draw one token per row; return (tokens_B, their log-probs under softmax(logits / temperature))."""
     logp_BV = torch.log_softmax(logits_BV.float() / cfg.temperature, dim=-1)
+    if not torch.isfinite(logp_BV).all():
+        raise FloatingPointError("the model produced non-finite logits while sampling")
     probs_BV = logp_BV.exp()
     if cfg.top_p < 1.0:
         probs_BV = _nucleus(probs_BV, cfg.top_p)

@@ -253,11 +253,13 @@ class RunDir:
 
     # -- writers ----------------------------------------------------------------------------------------------------
 
-    def open_metrics(self, *, resume_from_step: int | None = None, trackers: Iterable[Tracker] = ()) -> MetricsWriter:
+    def open_metrics(self, *, resume_from_step: int | None = None, trackers: Iterable[Tracker] = (),
+                     tracker_step_key: str | None = None) -> MetricsWriter:
         """The metrics writer; on resume, also drops the routing and sample tables logged after the checkpoint."""
         if resume_from_step is not None:
             prune_tables(self.path, after_step=resume_from_step)
-        return MetricsWriter(self.metrics_path, resume_from_step=resume_from_step, trackers=trackers)
+        return MetricsWriter(self.metrics_path, resume_from_step=resume_from_step, trackers=trackers,
+                             tracker_step_key=tracker_step_key)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

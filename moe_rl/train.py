@@ -34,6 +34,7 @@ from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.masked import masked_mean
 from moe_rl.model import ModelConfig, MoETransformer
+from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.objectives import get_objective
 from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
@@ -58,12 +59,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model_weights(model: MoETransformer, path: str) -> None:
-    """Load a checkpoint's model weights, refusing one saved for a different architecture."""
+    """Load a checkpoint's model weights, refusing one saved for a different architecture (loss coefficients and
+    the dispatch path may differ: NON_ARCHITECTURE_FIELDS)."""
     state = load_checkpoint(path)
-    saved = state.get("model_config")
-    if saved is not None and saved != asdict(model.cfg):
-        diff = {k: (saved.get(k), v) for k, v in asdict(model.cfg).items() if saved.get(k) != v}
-        raise ConfigError(f"init_from={path} was saved with a different model config; (saved, asked): {diff}")
+    saved = state.get("model_config") or {}
+    asked = asdict(model.cfg)
+    diff = {k: (saved[k], v) for k, v in asked.items()
+            if k in saved and saved[k] != v and k not in NON_ARCHITECTURE_FIELDS}
+    if diff:
+        raise ConfigError(f"init_from={path} was saved for a different architecture; (saved, asked): {diff}")
     model.load_state_dict(state["model"])
 
 
@@ -136,9 +140,12 @@ class Trainer:
         problems = self.task.problems("train", self.step * cfg.rollout.prompts_per_step, cfg.rollout.prompts_per_step)
         record = cfg.routing_mode == "R3" or "rollout" in cfg.probes.enabled
         self.model.eval()
-        gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
-                                                      cfg.rollout.group_size, cfg.rollout.sampling,
-                                                      self.generators["sample"], record)
+        try:
+            gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
+                                                          cfg.rollout.group_size, cfg.rollout.sampling,
+                                                          self.generators["sample"], record)
+        except FloatingPointError as err:
+            raise Diverged(f"{err} at step {self.step}") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
         advantages_B = group_advantages(rewards_NG, scale_by_std=self.spec.normalize_adv_by_std).reshape(-1)
         prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
@@ -324,7 +331,7 @@ def train(cfg: TrainConfig) -> Path:
             trainer.restore()
         trackers = make_trackers(cfg.log.trackers, run.path, config=run.config)
         resume_from = trainer.step - 1 if cfg.resume else None
-        with run.open_metrics(resume_from_step=resume_from, trackers=trackers) as metrics:
+        with run.open_metrics(resume_from_step=resume_from, trackers=trackers, tracker_step_key="update") as metrics:
             _loop(trainer, metrics, run)
     return run.path
 

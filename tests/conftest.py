@@ -29,3 +29,45 @@ def tiny_model(seed: int = 0, **overrides) -> MoETransformer:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# --- tiny RL runs -----------------------------------------------------------------------------------------
+
+TINY_MODEL = dict(d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=48, d_dense=96)
+
+
+def tiny_train_config(out_dir, **overrides):
+    """A TrainConfig that runs a rollout step in well under a second on one CPU thread."""
+    from moe_rl.config import OptimConfig, RolloutConfig, TrainConfig
+    from moe_rl.model import ModelConfig
+    from moe_rl.rollout import SamplingConfig
+
+    base = dict(
+        out_dir=str(out_dir), total_steps=3, model=ModelConfig(**TINY_MODEL),
+        rollout=RolloutConfig(prompts_per_step=4, group_size=4, sampling=SamplingConfig(max_new_tokens=6)),
+        optim=OptimConfig(lr=3e-4),
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(tmp_path_factory):
+    """A warm-started tiny model (about 0.2 mean reward on chain_sum), shared by the tests that need one."""
+    from moe_rl.config import SFTConfig
+    from moe_rl.model import ModelConfig
+    from moe_rl.rollout import SamplingConfig
+    from moe_rl.sft import sft
+
+    out = tmp_path_factory.mktemp("sft") / "run"
+    sft(SFTConfig(out_dir=str(out), steps=300, batch_size=64, model=ModelConfig(**TINY_MODEL), eval_every=1000,
+                  eval_prompts=64, sampling=SamplingConfig(max_new_tokens=6)))
+    return out / "checkpoints" / "latest.pt"
+
+
+def metric_lines(run_dir, minibatch=None):
+    """metrics.jsonl lines of a run, optionally only those of one minibatch index."""
+    from moe_rl.runlog import read_metrics
+
+    lines = read_metrics(run_dir)
+    return [line for line in lines if minibatch is None or line.get("minibatch") == minibatch]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
 DISPATCH_MODES = ("grouped", "loop")
+# Fields that do not change what the weights mean: a checkpoint loads into a config that differs only in these.
+NON_ARCHITECTURE_FIELDS = ("aux_loss_coef", "z_loss_coef", "dispatch", "max_seq_len", "init_std")
 
 
 @dataclass
