@@ -3,6 +3,7 @@ every field).
 
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
+    moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ def _sft():
     return SFTConfig, sft
 
 
+def _report():
+    from analysis.report import ReportConfig, report
+
+    return ReportConfig, report
+
+
 COMMANDS: dict[str, Command] = {
     "sft": Command("supervised warm start on task solutions (writes a checkpoint for --init-from)", _sft),
     "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
+    "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }
 
 

@@ -1,0 +1,225 @@
+"""Aggregation over seeds: means with bootstrap confidence intervals, final scores, churn tables.
+
+Every function takes the frames of `analysis.load` (with a `group` column from `add_groups`) and returns a tidy
+frame. Intervals are percentile bootstrap 95% CIs of the mean over runs (`scipy.stats.bootstrap`), with a fixed
+generator per call so a report is reproducible. Conventions for small samples, which sweeps of 1-3 seeds hit:
+one value gives ci_low = ci_high = NaN (no spread to resample, and a band of zero width would claim certainty);
+identical values give ci_low = ci_high = the value. Non-finite values (a diverged run's last step) are left out
+and `n` counts what remains.
+
+    keys = group_keys(data)                               # config fields that vary, seeds and paths excluded
+    data = add_groups(data, keys)                         # a `group` label column on every frame
+    curve = mean_ci(data.steps, "reward", x="step")       # group, step, n, mean, ci_low, ci_high
+    final = final_scores(data, ["reward"], last_k=5)      # group, metric, n_runs, n_diverged, mean, iqm, ...
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.load import RunSet
+from moe_rl.errors import ConfigError
+
+CONFIDENCE = 0.95
+N_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+# Config fields that never define a group: where and how a run was executed, not what was run.
+BOOKKEEPING = ("out_dir", "resume", "device", "threads", "checkpoint_every", "keep_every", "total_steps")
+BOOKKEEPING_PREFIXES = ("log.",)
+# Group keys come in this order ("grpo R2 lr=0.001"); other keys follow in config order.
+KEY_ORDER = ("objective.name", "routing_mode", "optim.lr", "model.n_layers", "model.n_experts", "model.top_k")
+# Short names for group labels; any other key is labelled by its last component.
+SHORT_NAMES = {"objective.name": "", "routing_mode": "", "optim.lr": "lr", "model.n_layers": "layers",
+               "model.n_experts": "experts", "model.top_k": "top-k"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Groups
+
+
+def group_keys(data: RunSet, requested: Sequence[str] | None = None) -> list[str]:
+    """The config fields that define groups: `requested` (checked), or every field that varies across runs
+    except bookkeeping (BOOKKEEPING, log.*), seeds (any field named seed) and fields that change only with the
+    seed (a per-seed warm-start checkpoint, for instance)."""
+    if requested:
+        unknown = [key for key in requested if key not in data.runs.columns]
+        if unknown:
+            raise ConfigError(f"group_by={list(requested)}: no config field {', '.join(unknown)}; fields that vary "
+                              f"across these runs: {', '.join(data.varying()) or 'none'}")
+        return list(requested)
+    keys = [key for key in data.varying() if not _is_bookkeeping(key) and not _follows_seed(data.runs, key)]
+    return sorted(keys, key=lambda k: KEY_ORDER.index(k) if k in KEY_ORDER else len(KEY_ORDER))
+
+
+def _is_bookkeeping(key: str) -> bool:
+    return key in BOOKKEEPING or key.startswith(BOOKKEEPING_PREFIXES) or key.rsplit(".", 1)[-1] == "seed"
+
+
+def _follows_seed(runs: pd.DataFrame, key: str) -> bool:
+    """Whether `key` and the seed determine each other across several seeds."""
+    pairs = runs[["seed", key]].astype(str).drop_duplicates()
+    return (runs["seed"].nunique() > 1 and not pairs["seed"].duplicated().any()
+            and not pairs[key].duplicated().any())
+
+
+def _label_part(key: str, value) -> str:
+    name = SHORT_NAMES.get(key, key.rsplit(".", 1)[-1])
+    if isinstance(value, float):
+        value = f"{value:g}"
+    return f"{name}={value}" if name else str(value)
+
+
+def group_label(row: pd.Series | dict, keys: Sequence[str]) -> str:
+    """'grpo R2', 'gspo native lr=0.001', or 'all runs' when no key is given."""
+    return " ".join(_label_part(key, row[key]) for key in keys) if keys else "all runs"
+
+
+def add_groups(data: RunSet, keys: Sequence[str]) -> RunSet:
+    """A copy of `data` whose frames carry the group keys and a `group` label column; groups are ordered by
+    their key values, and `data.groups` lists them in that order."""
+    keys = list(keys)
+    runs = data.runs.copy()
+    runs["group"] = [group_label(row, keys) for _, row in runs.iterrows()]
+    labels = runs[["run", "group"]]
+
+    def label(frame: pd.DataFrame) -> pd.DataFrame:
+        frame = data.with_config(frame.drop(columns="group", errors="ignore"), keys)
+        return frame.merge(labels, on="run", how="left")
+
+    return RunSet(data.root, runs, label(data.metrics), label(data.steps), label(data.routing), data.sweep,
+                  data.skipped, group_by=keys, groups=_group_order(runs, keys))
+
+
+def _group_order(runs: pd.DataFrame, keys: list[str]) -> list[str]:
+    """Group labels sorted by their key values (numbers as numbers where the column allows it)."""
+    try:
+        ordered = runs.sort_values([*keys, "run"])
+    except TypeError:  # a column mixing types (None and text): order it as text
+        ordered = runs.sort_values([*keys, "run"], key=lambda column: column.astype(str))
+    return ordered["group"].drop_duplicates().tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Intervals
+
+
+def bootstrap_ci(values, *, confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES,
+                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of the finite `values` (see the module docstring for n <= 1)."""
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    if np.ptp(x) == 0:
+        return float(x[0]), float(x[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        result = stats.bootstrap((x,), np.mean, n_resamples=n_resamples, confidence_level=confidence,
+                                 method="percentile", rng=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def iqm(values) -> float:
+    """Interquartile mean of the finite values: the mean of the middle 50% (robust to one outlying seed)."""
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    return float(stats.trim_mean(x, 0.25)) if len(x) else float("nan")
+
+
+def summarize(values) -> dict[str, float]:
+    """n, mean, ci_low, ci_high of the finite values."""
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    low, high = bootstrap_ci(x)
+    return {"n": len(x), "mean": float(x.mean()) if len(x) else float("nan"), "ci_low": low, "ci_high": high}
+
+
+def mean_ci(frame: pd.DataFrame, metric: str, x: str = "step", by: Sequence[str] = ("group",)) -> pd.DataFrame:
+    """Mean over runs and 95% CI of `metric` at each `x` (one value per run and x), per group.
+
+    Columns: *by, x, n, mean, ci_low, ci_high. Runs that did not log the metric at an x do not count there."""
+    columns = [*by, x, "n", "mean", "ci_low", "ci_high"]
+    if metric not in frame.columns:
+        return pd.DataFrame(columns=columns)
+    per_run = frame.groupby([*by, "run", x], sort=False)[metric].mean().dropna().reset_index()
+    rows = [{**dict(zip([*by, x], key)), **summarize(values)}
+            for key, values in per_run.groupby([*by, x], sort=True)[metric]]
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def run_finals(steps: pd.DataFrame, metric: str, last_k: int) -> pd.Series:
+    """Each run's mean of `metric` over its last `last_k` rollout steps that logged it (a diverged or killed run:
+    the last steps it reached)."""
+    logged = steps.dropna(subset=[metric]).sort_values(["run", "step"])
+    return logged.groupby("run")[metric].apply(lambda s: s.tail(last_k).mean())
+
+
+def final_scores(data: RunSet, metrics: Sequence[str], last_k: int = 5) -> pd.DataFrame:
+    """Per group and metric: the final score of each run (`run_finals`) summarised over runs.
+
+    Columns: group, metric, n_runs, n_diverged, mean, iqm, std, ci_low, ci_high."""
+    rows = []
+    for metric in (m for m in metrics if m in data.steps.columns):
+        finals = data.runs[["run", "group", "status"]].merge(
+            run_finals(data.steps, metric, last_k).rename("final"), left_on="run", right_index=True)
+        for group in data.groups:
+            runs = finals[finals["group"] == group]
+            if not len(runs):
+                continue
+            summary = summarize(runs["final"])
+            rows.append({"group": group, "metric": metric, "n_runs": summary["n"],
+                         "n_diverged": int((runs["status"] == "diverged").sum()), "mean": summary["mean"],
+                         "iqm": iqm(runs["final"]), "std": float(runs["final"].std(ddof=1)),
+                         "ci_low": summary["ci_low"], "ci_high": summary["ci_high"]})
+    return pd.DataFrame(rows, columns=["group", "metric", "n_runs", "n_diverged", "mean", "iqm", "std", "ci_low",
+                                       "ci_high"])
+
+
+def layer_churn(routing: pd.DataFrame, probes: Sequence[str] | None = None) -> pd.DataFrame:
+    """Churn per MoE layer: each run's mean over all its comparisons of a probe, summarised over runs.
+
+    Columns: group, probe, layer, n_runs, mean, ci_low, ci_high, set_change (mean over runs)."""
+    if probes is not None:
+        routing = routing[routing["probe"].isin(probes)]
+    per_run = routing.groupby(["group", "probe", "layer", "run"])[["churn", "set_change"]].mean().reset_index()
+    rows = []
+    for (group, probe, layer), runs in per_run.groupby(["group", "probe", "layer"], sort=True):
+        summary = summarize(runs["churn"])
+        rows.append({"group": group, "probe": probe, "layer": layer, "n_runs": summary["n"],
+                     "mean": summary["mean"], "ci_low": summary["ci_low"], "ci_high": summary["ci_high"],
+                     "set_change": runs["set_change"].mean()})
+    return pd.DataFrame(rows, columns=["group", "probe", "layer", "n_runs", "mean", "ci_low", "ci_high",
+                                       "set_change"])
+
+
+CHURN_VS_CHANGE = ("routing/update/churn", "update/kl", "update/log_ratio_abs_mean")
+
+
+def churn_vs_lr_depth(data: RunSet) -> pd.DataFrame:
+    """Update churn and per-update policy change by group, learning rate and depth: each run's mean over its
+    optimizer steps, then mean and 95% CI over runs.
+
+    Columns: group, optim.lr, model.n_layers, n_runs, churn_mean, churn_ci_low, churn_ci_high,
+    update_kl_mean, log_ratio_abs_mean."""
+    keys = ["group", "optim.lr", "model.n_layers"]
+    present = [m for m in CHURN_VS_CHANGE if m in data.metrics.columns]
+    per_run = data.with_config(data.metrics, keys[1:]).groupby([*keys, "run"])[present].mean().reset_index()
+    rows = []
+    for key, runs in per_run.groupby(keys, sort=True):
+        row = dict(zip(keys, key))
+        churn = summarize(runs.get("routing/update/churn", pd.Series(dtype=float)))
+        row.update(n_runs=len(runs), churn_mean=churn["mean"], churn_ci_low=churn["ci_low"],
+                   churn_ci_high=churn["ci_high"])
+        for metric, name in (("update/kl", "update_kl_mean"), ("update/log_ratio_abs_mean", "log_ratio_abs_mean")):
+            row[name] = runs[metric].mean() if metric in runs else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,182 @@
+"""moe-rl report: figures, CSV tables and a Markdown summary of one run, a folder of runs, or a sweep.
+
+Runs are found by their config.json and manifest.json (searched recursively; SFT runs are skipped) and grouped by
+the config fields that vary across them, seeds and bookkeeping excluded, unless --group-by names the fields.
+Curves are means over a group's runs with 95% bootstrap bands; final scores average each run's last --last-k
+rollout steps, then summarise over runs (mean, interquartile mean, CI). Running, killed and diverged runs are
+included; their status is in the tables and diverged runs are marked where they stopped.
+
+    <out>/README.md                        the command, the runs, final scores, the config that produced them
+    <out>/figures/<name>.png and .pdf      see analysis.plots.FIGURES and docs/analysis.md
+    <out>/tables/runs.csv                  one row per run: group, seed, status, reason, last step, config
+    <out>/tables/final_scores.csv          per group and metric: n_runs, n_diverged, mean, iqm, std, ci_low, ci_high
+    <out>/tables/layer_churn.csv           per group, probe and layer: churn mean and 95% CI over runs
+    <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
+    <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
+
+    moe-rl report runs/ --out results/churn
+    moe-rl report sweeps/objectives --out results/objectives --group-by objective.name routing_mode --last-k 10
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import tyro
+
+from analysis.aggregate import add_groups, churn_vs_lr_depth, final_scores, group_keys, layer_churn, mean_ci
+from analysis.load import INFO_COLUMNS, RunSet, load_runs
+from analysis.plots import FIGURES, looks_for
+from analysis.style import FORMATS, save
+from moe_rl.errors import check_positive
+from moe_rl.provenance import git_state, utc_now
+
+FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/token_any", "update/kl",
+                 "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")
+CURVE_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/staleness/churn",
+                 "routing/rollout/churn", "update/kl", "clip_ratio/region_mean", "ratio/log_std",
+                 "ratio/extreme_frac")
+
+
+@dataclass
+class ReportConfig:
+    """What to report on and where to write it."""
+
+    runs: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")]
+    """A run directory, a folder of runs, or a sweep directory (searched recursively)."""
+    out: str = "results/report"
+    """Output folder for README.md, figures/ and tables/ (created; existing files are overwritten)."""
+    group_by: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY [KEY ...]")] = ()
+    """Config fields that define groups, e.g. `objective.name routing_mode`; none given: every field that varies
+    across the runs, except seeds and bookkeeping (out_dir, device, log.*, ...)."""
+    last_k: int = 5
+    """Final scores average each run's last k rollout steps."""
+
+    def __post_init__(self) -> None:
+        check_positive("last_k", self.last_k)
+
+
+def command_line(cfg: ReportConfig) -> str:
+    """The `moe-rl report` command that makes this report, every option spelled out."""
+    parts = ["moe-rl", "report", cfg.runs, "--out", cfg.out]
+    if cfg.group_by:
+        parts += ["--group-by", *cfg.group_by]
+    parts += ["--last-k", str(cfg.last_k)]
+    return shlex.join(parts)
+
+
+def report(cfg: ReportConfig) -> Path:
+    """Write the report of `cfg.runs` into `cfg.out`; returns the output folder."""
+    data = load_runs(cfg.runs)
+    data = add_groups(data, group_keys(data, cfg.group_by))
+    out = Path(cfg.out)
+    tables = write_tables(data, out / "tables", cfg.last_k)
+    figures = write_figures(data, out / "figures")
+    (out / "README.md").write_text(summary_markdown(data, cfg, tables["final_scores"], figures), encoding="utf-8")
+    print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
+          f"{len(figures)} figures, {len(tables)} tables")
+    return out
+
+
+def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFrame]:
+    tables = {
+        "runs": data.runs[["run", "group", *[c for c in data.runs.columns if c not in ("run", "group")]]],
+        "final_scores": final_scores(data, FINAL_METRICS, last_k),
+        "layer_churn": layer_churn(data.routing) if len(data.routing) else pd.DataFrame(),
+        "churn_vs_lr_depth": churn_vs_lr_depth(data),
+        "curves": pd.concat([mean_ci(data.steps, m, x="step").assign(metric=m) for m in CURVE_METRICS
+                             if m in data.steps.columns] or [pd.DataFrame()], ignore_index=True),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, table in tables.items():
+        table.to_csv(folder / f"{name}.csv", index=False)
+    return tables
+
+
+def write_figures(data: RunSet, folder: Path) -> list[str]:
+    looks = looks_for(data)
+    for name, (make, _) in FIGURES.items():
+        fig = make(data, looks)
+        save(fig, folder, name, FORMATS)
+    return list(FIGURES)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# README.md
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table; floats to 4 significant digits, missing values blank."""
+    def cell(value) -> str:
+        if value is None or (isinstance(value, float) and pd.isna(value)):
+            return ""
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    header = "| " + " | ".join(map(str, frame.columns)) + " |"
+    rule = "|" + "---|" * len(frame.columns)
+    rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *rows])
+
+
+def _shared_config(data: RunSet) -> dict:
+    """Config fields with one value across all runs (the fixed part of the experiment)."""
+    fields = [c for c in data.runs.columns if c not in INFO_COLUMNS and c != "group"]
+    shared = {key: data.runs[key].iloc[0] for key in fields if data.runs[key].astype(str).nunique() == 1}
+    return {key: value.item() if hasattr(value, "item") else value for key, value in shared.items()}
+
+
+def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figures: list[str]) -> str:
+    status = data.runs["status"].value_counts().to_dict()
+    varying = [k for k in data.varying() if k != "out_dir"]
+    runs = data.runs[["run", "group", "seed", "status", "last_step", "reason", *varying]]
+    shas = sorted({sha for sha in data.runs["git_sha"] if sha})
+    code = git_state(Path(__file__).parent)
+    code_version = f"{code['sha']}{' (uncommitted changes)' if code['dirty'] else ''}" if code["sha"] else "unknown"
+    finals = finals.assign(ci=[f"[{lo:.4g}, {hi:.4g}]" if pd.notna(lo) else "" for lo, hi in
+                               zip(finals["ci_low"], finals["ci_high"])])
+    lines = [
+        f"# Report: {Path(cfg.runs).name or cfg.runs}",
+        "",
+        "Made by", "", "```", command_line(cfg), "```", "",
+        f"on {utc_now()} (analysis code git {code_version}). "
+        f"Source: `{data.root.resolve()}`; runs' code git: {', '.join(shas) or 'unknown'}.",
+        "",
+        f"{len(data.runs)} runs ({', '.join(f'{n} {s}' for s, n in status.items())}) in {len(data.groups)} "
+        f"groups by {', '.join(f'`{k}`' for k in data.group_by) or 'nothing (one group)'}."
+        + (f" Skipped (not RL runs): {', '.join(data.skipped)}." if data.skipped else ""),
+        "",
+        "## Final scores",
+        "",
+        f"Each run's mean over its last {cfg.last_k} rollout steps; mean, interquartile mean (IQM) and 95% "
+        "percentile-bootstrap CI over the runs of a group (no CI from a single run). Diverged runs count with "
+        "the steps they reached.",
+        "",
+        markdown_table(finals[["group", "metric", "n_runs", "n_diverged", "mean", "iqm", "ci"]]),
+        "",
+        "## Figures",
+        "",
+        *[f"- `figures/{name}.png` (and `.pdf`): {FIGURES[name][1]}." for name in figures],
+        "",
+        "How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
+        "layer_churn, churn_vs_lr_depth, curves.",
+        "",
+        "## Runs",
+        "",
+        markdown_table(runs),
+        "",
+        "## Config",
+        "",
+        "Fields shared by every run (flattened config.json; the fields that differ are columns of the runs "
+        "table above and of `tables/runs.csv`):",
+        "",
+        "```json", json.dumps(_shared_config(data), indent=1, default=str), "```",
+    ]
+    if data.sweep is not None:
+        lines += ["", "sweep.json:", "", "```json", json.dumps(data.sweep, indent=1, default=str), "```"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,226 @@
+"""analysis/: loaders, aggregation over seeds, figures and the `moe-rl report` command, on real tiny runs.
+
+The runs are made once per module by the real trainer (about a second each): a sweep of GRPO, GRPO+R2 and GSPO
+over two seeds, a learning-rate x depth scan, and a run that diverges. Every table is checked against a direct
+pandas computation on the loaded frames, written out here.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import TINY_MODEL, tiny_train_config
+
+from analysis.aggregate import (add_groups, bootstrap_ci, churn_vs_lr_depth, final_scores, group_keys, iqm,
+                                layer_churn, mean_ci)
+from analysis.load import NoRunsError, load_runs
+from analysis.plots import FIGURES
+from analysis.report import ReportConfig, summary_markdown
+from moe_rl.config import LogConfig, OptimConfig
+from moe_rl.errors import ConfigError
+from moe_rl.model import ModelConfig
+from moe_rl.objectives import ObjectiveConfig
+from moe_rl.runlog import RunDir, read_metrics
+from moe_rl.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL = LogConfig(eval_every=2, eval_prompts=4)
+SWEEP = {"grpo": {}, "grpo_r2": {"routing_mode": "R2"}, "gspo": {"objective": ObjectiveConfig(name="gspo")}}
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    """root/sweep/runs/<objective>_s<seed>, root/scan/<lr>_<depth>, root/diverged."""
+    root = tmp_path_factory.mktemp("analysis")
+    for name, overrides in SWEEP.items():
+        for seed in (0, 1):
+            train(tiny_train_config(root / "sweep" / "runs" / f"{name}_s{seed}", seed=seed, log=EVAL, **overrides))
+    (root / "sweep" / "sweep.json").write_text(json.dumps({"name": "tiny", "grid": list(SWEEP)}))
+    for lr, layers in ((3e-4, 2), (3e-2, 2), (3e-2, 3)):
+        model = ModelConfig(**{**TINY_MODEL, "n_layers": layers})
+        train(tiny_train_config(root / "scan" / f"lr{lr:g}_L{layers}", total_steps=2, model=model,
+                                optim=OptimConfig(lr=lr)))
+    train(tiny_train_config(root / "diverged", optim=OptimConfig(lr=1e30, grad_clip=0.0)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sweep(runs_root):
+    data = load_runs(runs_root / "sweep")
+    return add_groups(data, group_keys(data))
+
+
+# --- loaders -----------------------------------------------------------------------------------------------
+
+
+def test_loader_finds_every_run_with_its_config_and_status(sweep):
+    assert sorted(sweep.runs["run"]) == sorted(f"runs/{n}_s{s}" for n in SWEEP for s in (0, 1))
+    assert set(sweep.runs["status"]) == {"finished"}
+    assert sweep.sweep == {"name": "tiny", "grid": list(SWEEP)}
+    for column in ("run", "path", "status", "seed", "objective.name", "routing_mode", "optim.lr", "model.n_layers"):
+        assert column in sweep.metrics.columns and column in sweep.steps.columns
+    assert len(sweep.metrics) == 6 * 3 * 4  # runs x rollout steps x minibatches: one row per optimizer step
+    assert (sweep.metrics["minibatch"] >= 0).all()
+    assert set(sweep.routing["probe"]) >= {"update", "staleness", "noise", "rollout"}
+
+
+def test_steps_take_the_first_line_for_rollout_metrics_and_the_mean_for_update_metrics(sweep):
+    run = sweep.runs.iloc[0]
+    lines = pd.DataFrame(read_metrics(run["path"]))
+    optimizer_lines = lines[lines["minibatch"] >= 0]
+    steps = sweep.steps[sweep.steps["run"] == run["run"]].set_index("step")
+    assert list(steps.index) == [0, 1, 2, 3]  # step 3 holds only the evaluation after training
+    for step, group in optimizer_lines.groupby("step"):
+        assert steps.loc[step, "reward"] == group["reward"].iloc[0]
+        assert steps.loc[step, "loss/total"] == pytest.approx(group["loss/total"].mean(), rel=1e-12)
+        assert steps.loc[step, "routing/update/churn"] == pytest.approx(group["routing/update/churn"].mean())
+        assert steps.loc[step, "n_updates"] == 4
+    assert steps.loc[3, "n_updates"] == 0 and not math.isnan(steps.loc[3, "eval/reward"])
+    assert not math.isnan(steps.loc[0, "eval/reward"])  # the step-0 eval rides on the first minibatch line
+
+
+def test_group_keys_are_the_varying_config_fields_without_seed_or_paths(sweep, runs_root):
+    assert sweep.group_by == ["objective.name", "routing_mode"]
+    assert sweep.groups == ["grpo R2", "grpo native", "gspo native"]
+    data = load_runs(runs_root / "sweep")
+    assert group_keys(data, ["objective.name"]) == ["objective.name"]
+    with pytest.raises(ConfigError, match="no config field optim.lrr.*objective.name"):
+        group_keys(data, ["optim.lrr"])
+
+
+def test_a_run_killed_mid_line_loads_without_its_partial_line(runs_root, tmp_path):
+    run = tmp_path / "killed"
+    shutil.copytree(runs_root / "sweep" / "runs" / "grpo_s0", run)
+    text = (run / "metrics.jsonl").read_text()
+    lines = text.splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:6]) + "\n" + lines[6][: len(lines[6]) // 2])
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "status": "running", "ended_at": None}))
+    data = load_runs(run)
+    assert data.runs["status"].tolist() == ["running"]
+    assert len(data.metrics) == 6
+    assert data.steps["step"].tolist() == [0, 1]
+    assert data.steps.set_index("step").loc[1, "n_updates"] == 2
+
+
+def test_a_diverged_run_loads_with_its_reason_and_its_nan_kept(runs_root):
+    data = load_runs(runs_root / "diverged")
+    run = data.runs.iloc[0]
+    assert run["status"] == "diverged" and "non-finite" in run["reason"]
+    last = data.metrics.iloc[-1]
+    assert math.isnan(last["loss/total"]) and "loss/total" in last["nan_metrics"]
+    # The step's mean is NaN too: a logged NaN is not averaged away with the finite minibatch before it.
+    assert math.isnan(data.steps.set_index("step").loc[last["step"], "loss/total"])
+
+
+def test_an_empty_folder_and_a_run_without_metrics_give_one_clear_message(tmp_path):
+    with pytest.raises(NoRunsError, match="no RL runs under"):
+        load_runs(tmp_path)
+    RunDir(tmp_path / "fresh", tiny_train_config(tmp_path / "fresh"))  # started, no optimizer step yet
+    with pytest.raises(NoRunsError, match="none has logged a metrics line yet"):
+        load_runs(tmp_path)
+
+
+# --- aggregation -------------------------------------------------------------------------------------------
+
+
+def test_bootstrap_ci_is_reproducible_and_handles_one_value_constants_and_nan():
+    values = [0.1, 0.4, 0.2, 0.9]
+    low, high = bootstrap_ci(values)
+    assert (low, high) == bootstrap_ci(values) and low < np.mean(values) < high
+    assert all(math.isnan(v) for v in bootstrap_ci([0.3]))
+    assert bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)
+    assert bootstrap_ci([0.1, float("nan"), 0.4]) == bootstrap_ci([0.1, 0.4])
+    assert iqm([1, 2, 3, 100]) == pytest.approx(2.5)
+
+
+def test_final_scores_equal_a_direct_pandas_computation(sweep):
+    table = final_scores(sweep, ["reward", "routing/update/churn"], last_k=2).set_index(["group", "metric"])
+    for metric in ("reward", "routing/update/churn"):
+        rows = sweep.steps.dropna(subset=[metric]).sort_values("step")
+        per_run = rows.groupby("run")[metric].apply(lambda s: s.iloc[-2:].mean())
+        for group, runs in sweep.runs.groupby("group"):
+            finals = per_run[runs["run"]]
+            row = table.loc[(group, metric)]
+            assert row["n_runs"] == 2 and row["n_diverged"] == 0
+            assert row["mean"] == pytest.approx(finals.mean())
+            assert row["std"] == pytest.approx(finals.std(), nan_ok=True)
+            assert row["ci_low"] <= row["mean"] <= row["ci_high"]
+
+
+def test_curves_and_layer_churn_equal_a_direct_pandas_computation(sweep):
+    curve = mean_ci(sweep.metrics, "routing/update/churn", x="update").set_index(["group", "update"])
+    direct = sweep.metrics.groupby(["group", "update"])["routing/update/churn"].agg(["mean", "count"])
+    assert np.allclose(curve["mean"], direct.loc[curve.index, "mean"])
+    assert (curve["n"] == direct.loc[curve.index, "count"]).all()
+
+    table = layer_churn(sweep.routing).set_index(["group", "probe", "layer"])
+    per_run = sweep.routing.groupby(["group", "probe", "layer", "run"])["churn"].mean()
+    direct = per_run.groupby(["group", "probe", "layer"]).mean()
+    assert np.allclose(table["mean"], direct.loc[table.index])
+    assert (table.xs("noise", level="probe")["mean"] == 0).all()  # two identical forwards on CPU
+
+
+def test_churn_vs_lr_depth_equals_a_direct_pandas_computation(runs_root):
+    data = load_runs(runs_root / "scan")
+    data = add_groups(data, group_keys(data))
+    assert data.group_by == ["optim.lr", "model.n_layers"]
+    table = churn_vs_lr_depth(data).set_index(["optim.lr", "model.n_layers"])
+    direct = data.metrics.groupby(["optim.lr", "model.n_layers"])[["routing/update/churn", "update/kl"]].mean()
+    assert len(table) == 3
+    assert np.allclose(table["churn_mean"], direct.loc[table.index, "routing/update/churn"])
+    assert np.allclose(table["update_kl_mean"], direct.loc[table.index, "update/kl"])
+
+
+# --- the command, end to end ------------------------------------------------------------------------------
+
+
+def _moe_rl(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this checkout's moe_rl
+    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
+    out = _moe_rl("report", str(runs_root), "--out", "results/tiny", "--last-k", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "results" / "tiny"
+    for name in FIGURES:
+        png, pdf = folder / "figures" / f"{name}.png", folder / "figures" / f"{name}.pdf"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+        assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 5_000, name
+    runs = pd.read_csv(folder / "tables" / "runs.csv")
+    assert len(runs) == 6 + 3 + 1 and (runs["status"] == "diverged").sum() == 1
+    finals = pd.read_csv(folder / "tables" / "final_scores.csv")
+    assert {"reward", "routing/update/churn"} <= set(finals["metric"])
+    for table in ("layer_churn", "churn_vs_lr_depth", "curves"):
+        assert len(pd.read_csv(folder / "tables" / f"{table}.csv")), table
+    readme = (folder / "README.md").read_text()
+    assert f"moe-rl report {runs_root} --out results/tiny --last-k 2" in readme
+    assert "`objective.name`, `routing_mode`" in readme and '"grid"' not in readme  # root has no sweep.json
+    assert "1 diverged" in readme
+
+
+def test_summary_names_the_command_and_the_sweep_config(sweep, runs_root):
+    cfg = ReportConfig(runs=str(runs_root / "sweep"), out="results/x", group_by=("objective.name", "routing_mode"))
+    text = summary_markdown(sweep, cfg, final_scores(sweep, ["reward"]), list(FIGURES))
+    assert f"moe-rl report {runs_root / 'sweep'} --out results/x --group-by objective.name routing_mode" in text
+    assert '"grid": [' in text  # sweep.json, verbatim
+    assert '"optim.lr": 0.0003' in text  # the shared config
+    assert all(f"figures/{name}.png" in text for name in FIGURES)
+
+
+def test_report_help_and_bad_input(tmp_path):
+    help_ = _moe_rl("report", "--help", cwd=tmp_path)
+    assert help_.returncode == 0 and "--group-by" in help_.stdout and "--last-k" in help_.stdout
+    empty = _moe_rl("report", str(tmp_path), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert empty.returncode == 2
+    assert "no RL runs under" in empty.stderr and "Traceback" not in empty.stderr
+    assert len(empty.stderr.strip().splitlines()) == 1
