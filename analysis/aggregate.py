@@ -29,7 +29,9 @@ CONFIDENCE = 0.95
 N_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 # Config fields that never define a group: where and how a run was executed, not what was run.
-BOOKKEEPING = ("out_dir", "resume", "device", "threads", "checkpoint_every", "keep_every", "total_steps")
+# init_from is a path that changes with whatever made the checkpoint (e.g. one warm start per architecture);
+# the architecture fields themselves name the group.
+BOOKKEEPING = ("out_dir", "resume", "device", "threads", "checkpoint_every", "keep_every", "total_steps", "init_from")
 BOOKKEEPING_PREFIXES = ("log.",)
 # Group keys come in this order ("grpo R2 lr=0.001"); other keys follow in config order.
 KEY_ORDER = ("objective.name", "routing_mode", "optim.lr", "model.n_layers", "model.n_experts", "model.top_k")

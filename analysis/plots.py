@@ -81,7 +81,8 @@ def _label(ax: Axes, x: str, metric: str, values=()) -> None:
 
 
 def _percent_axis(axis) -> None:
-    axis.set_major_formatter(PercentFormatter(1.0))
+    # decimals=None: as many decimals as the tick spacing needs, so a log axis shows 0.01% rather than 0.0%.
+    axis.set_major_formatter(PercentFormatter(1.0, decimals=None))
     axis.set_minor_formatter(NullFormatter())  # log axes: decade labels only, no crowded 2x, 3x, ... labels
 
 
