@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Rank r draws from generators seeded seed + offset + r * stride: rank 0 keeps the single-process seeds, so a DDP
-# run's rank 0 samples what a single-process run with the same seed would have sampled for those prompts.
+# Rank r draws from generators seeded seed + offset + r * stride: distinct streams per rank, and rank 0 keeps the
+# seeds of a single-process run.
 RANK_SEED_STRIDE = 104_729
 
 
