@@ -138,6 +138,20 @@ class TrainConfig:
                 f"prompts_per_step x group_size = {rollout_rows}"
             )
 
+    def check_data_parallel(self, ranks: int) -> None:
+        """Refuse a rollout that does not split evenly over `ranks` data-parallel ranks (torchrun processes)."""
+        if self.rollout.prompts_per_step % ranks:
+            raise ConfigError(
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by the number of "
+                f"data-parallel ranks ({ranks}): every rank samples an equal share of each step's prompts"
+            )
+        rank_rows = self.rollout.prompts_per_step // ranks * self.rollout.group_size
+        if rank_rows % self.minibatches:
+            raise ConfigError(
+                f"minibatches={self.minibatches} must divide each rank's rollout rows "
+                f"prompts_per_step / ranks x group_size = {rank_rows} ({ranks} ranks)"
+            )
+
 
 @dataclass
 class SFTConfig:

@@ -3,6 +3,10 @@
 Every pass of the RL step goes through `policy_forward`: the old pass, each minibatch update and every probe.
 Running them through one function with the same row chunks is what makes "recomputed log-probs equal the old
 ones" exact on CPU: the same rows in the same layout give bitwise the same numbers.
+
+`model` may be a DistributedDataParallel wrapper (the training forward under torchrun): the forward goes through the
+wrapper, so DDP sees it and averages the gradients in backward, while routing sessions attach to the MoE layers of
+the wrapped module, whose forward the wrapper calls, so record and replay work unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.distributed import unwrap
 from moe_rl.rollout import RolloutBatch
 from moe_rl.routing import RoutingTrace, record_routing, replay_routing
 
@@ -44,7 +49,7 @@ def policy_forward(
     with_entropy: bool = False,
 ) -> PolicyOutput:
     """One forward over `batch`. With `replay`, every router uses its ids; with `record`, the routing is kept."""
-    session = _session(model, replay, record, record_native, with_entropy)
+    session = _session(unwrap(model), replay, record, record_native, with_entropy)
     with session as active, autocast_context(batch.input_ids_BS.device):
         out = model(batch.input_ids_BS, batch.input_valid_BS)
     start = batch.prompt_len - 1

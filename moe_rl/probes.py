@@ -44,7 +44,8 @@ class ProbeConfig:
     """Cadence per probe, e.g. `update 4`: every 4th optimizer step (update, staleness, replay) or rollout step
     (rollout, noise). Probes not listed run every time."""
     sequences: int | None = None
-    """Probe a random subsample of this many sequences per rollout step instead of the whole batch."""
+    """Probe a random subsample of this many sequences per rollout step instead of the whole batch (under torchrun:
+    this many on each rank, from its own rows)."""
     tokens: str = "response"
     """Tokens compared: 'response' (positions that score a response token) or 'all' real positions."""
 

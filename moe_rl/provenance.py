@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # The packages whose version can change a result; python and CUDA are always recorded.
 VERSIONED_PACKAGES = (
@@ -79,8 +80,13 @@ def environment(device: str | torch.device | None) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "device": describe_device(device),
+        "world_size": _world_size(),
         "command": list(sys.argv),
         "git": git_state(Path(__file__).parent),
         "packages": package_versions(),
     }
 
+
+def _world_size() -> int:
+    """Data-parallel ranks (torchrun processes) of the run; 1 without a process group."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

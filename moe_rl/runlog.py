@@ -140,8 +140,9 @@ class RunDir:
     """One run's directory. Creating it starts the run (or, with resume=True, continues it) and marks it running.
 
     manifest.json holds: name, status (running | finished | diverged | failed), reason, started_at, ended_at (UTC ISO),
-    seed, host, device, command (sys.argv), git {sha, dirty}, packages {name: version}, and resumes: one entry per
-    resume with its time, host, device, command, git and the config changes it made ({key: [old, new]}).
+    seed, host, device, world_size (data-parallel ranks), command (sys.argv), git {sha, dirty}, packages
+    {name: version}, and resumes: one entry per resume with its time, host, device, world size, command, git and the
+    config changes it made ({key: [old, new]}).
 
     Use it as a context manager to mark the run failed on an exception and finished on a normal exit. Only one
     process (rank 0) may hold a RunDir for a path.

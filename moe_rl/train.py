@@ -10,12 +10,25 @@ One rollout step (DESIGN.md section 2):
      -> routing probes (moe_rl.probes) -> one metrics.jsonl line.
 Every `checkpoint_every` rollout steps the full state is saved atomically; `--resume` continues bit-for-bit.
 
+Under torchrun (data parallel, moe_rl.distributed) rank r of W samples its B/W prompts of each step with generators
+of its own (seeded by seed and rank), shuffles and splits its rows into the same number of chunks as every other
+rank and trains through a DDP wrapper, which averages the gradients. Each rank's loss is weighted by its share of
+the global minibatch (`LossShare`), so the averaged gradient is that of the loss over all ranks' rows, whether the
+objective averages over sequences, tokens (dapo, cispo) or rows (dr_grpo). The router aux loss is weighted by input
+tokens: exact for the z-loss; the load-balancing loss keeps per-rank expert fractions, as in any data-parallel MoE.
+A rank left without rows for an update (DAPO dropped its groups) runs a forward and backward of a zero loss, so
+every rank joins every all-reduce. Probes run on each rank's rows; metrics and routing tables are reduced over
+ranks; rank 0 alone writes metrics, tables, its own rows' samples, evaluations and checkpoints. A NaN on any rank
+stops every rank (status diverged). Checkpoints hold every rank's generators: `--resume` with the same number of
+ranks continues each rank exactly; a different number is refused.
+
 What it simplifies on purpose: one process samples and trains (no separate inference engine), the sampler is
 ours, and the reference model for the optional KL is the initial policy.
 
     moe-rl train --out-dir runs/grpo --init-from runs/sft/checkpoints/latest.pt              # CPU
     moe-rl train --objective.name gspo --routing-mode R3 --device cuda ...                   # one GPU (bf16)
-    torchrun --nproc_per_node=4 -m moe_rl.cli train ...                                      # many GPUs (DDP)
+    torchrun --standalone --nproc_per_node=8 -m moe_rl.cli train --device cuda ...           # many GPUs (DDP, NCCL)
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m moe_rl.cli train --device cpu ...   # DDP, gloo
 """
 
 from __future__ import annotations
@@ -23,19 +36,22 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import asdict, replace
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from moe_rl import distributed
 from moe_rl.advantages import group_advantages, reward_stats, zero_std_groups
 from moe_rl.checkpoint import load_checkpoint, load_latest, restore_training_state, save_checkpoint, training_state
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
-from moe_rl.masked import masked_mean
+from moe_rl.masked import masked_mean, masked_sum
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.objectives import get_objective
+from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
 from moe_rl.rollout import RolloutBatch, generate_groups, to_rollout_batch
@@ -45,9 +61,34 @@ from moe_rl.signals import entropy_from_logits, ratio_signals
 from moe_rl.tasks import build_task, build_tokenizer
 from moe_rl.trackers import make_trackers
 
+ROUTING_TABLE_KEYS = ("update", "minibatch", "probe", "layer")  # a routing/ table row, reduced over ranks
+
 
 class Diverged(RuntimeError):
     """A non-finite loss or gradient: the run stops with status `diverged`."""
+
+
+@dataclass(frozen=True)
+class LossShare:
+    """One rank's weights for one global minibatch under DDP. For a loss term that averages over n items (sequences,
+    tokens) the weight is W n_r / N: this rank's n_r of all ranks' N, times the world size W. DDP averages the
+    weighted gradients, (1/W) sum_r W (n_r / N) grad L_r = grad (sum_r n_r L_r) / N: the gradient of the term over
+    all ranks' rows together."""
+
+    objective: float  # over ObjectiveSpec.loss_denominator: non-empty sequences, response tokens or rows
+    kl: float  # over response tokens (the k3 KL to the reference is a token mean)
+    aux: float  # over real input tokens (the router losses are means over them)
+
+
+@dataclass
+class OldPass:
+    """theta_old on this rank's rows, in the order of the shuffled batch."""
+
+    logp_BN: torch.Tensor
+    trace: RoutingTrace  # recorded (native), or the sampler's under R3
+    native: NativeRouting | None  # reused by the probes when native
+    router_entropy_LBS: torch.Tensor | None
+    ref_logp_BN: torch.Tensor | None  # the reference policy's log-probs, with a KL penalty
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,8 +135,9 @@ def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_sc
 class Trainer:
     """The live objects of one run and the RL step. `train(cfg)` is the entry point."""
 
-    def __init__(self, cfg: TrainConfig, run: RunDir, device: torch.device):
-        self.cfg, self.run, self.device = cfg, run, device
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.out_dir = Path(cfg.out_dir)  # rank 0 writes here; every rank reads checkpoints from here
         self.tokenizer = build_tokenizer()
         self.task = build_task(cfg.task, self.tokenizer)
         self.spec = get_objective(cfg.objective.name)
@@ -103,9 +145,14 @@ class Trainer:
                                           or cfg.rollout.sampling.max_new_tokens)
         self.model = build_model(cfg.model, device, cfg.seed, cfg.init_from)
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
+        # Training forwards go through DDP under torchrun; sampling, the old pass and probes use self.model, no grad.
+        # The loop dispatch skips experts without tokens, so DDP must look for parameters without a gradient.
+        self.train_model = distributed.data_parallel(self.model, device, cfg.model.dispatch == "loop")
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg.optim)
-        self.generators = {name: torch.Generator().manual_seed(cfg.seed + offset)
+        seed = distributed.rank_seed(cfg.seed)
+        self.generators = {name: torch.Generator().manual_seed(seed + offset)
                            for offset, name in enumerate(("sample", "shuffle"))}
+        self.placeholder = placeholder_row(self.tokenizer, device)  # for `idle_update`
         self.step = 0  # completed rollout steps
         self.updates = 0  # completed optimizer steps
 
@@ -117,18 +164,35 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def save(self) -> None:
+        """Rank 0 saves; every rank must call this, since the checkpoint holds every rank's generator states."""
+        generators_by_rank = distributed.gather_objects({name: g.get_state() for name, g in self.generators.items()})
+        if not distributed.is_main():
+            return
         state = training_state(self.model, self.optimizer, scheduler=self.scheduler,
                                data_position=self.step * self.cfg.rollout.prompts_per_step,
                                generators=self.generators)
-        state.update(updates=self.updates, model_config=asdict(self.cfg.model))
+        state.update(updates=self.updates, model_config=asdict(self.cfg.model), world_size=len(generators_by_rank))
+        if len(generators_by_rank) > 1:
+            state["generators_by_rank"] = generators_by_rank
         if self.ref_model is not None:
             state["ref_model"] = self.ref_model.state_dict()
-        save_checkpoint(self.run.path, self.step, state, keep_every=self.cfg.keep_every)
+        save_checkpoint(self.out_dir, self.step, state, keep_every=self.cfg.keep_every)
 
     def restore(self) -> None:
-        state = load_latest(self.run.path, map_location=self.device)
+        """Every rank loads the latest checkpoint: the same weights and optimizer state, its own generators."""
+        state = load_latest(self.out_dir, map_location=self.device)
+        saved, ranks = state.get("world_size", 1), distributed.world_size()
+        if saved != ranks:
+            raise ConfigError(
+                f"cannot resume {self.out_dir}: its checkpoint was saved by {saved} rank(s) and this run has {ranks}; "
+                f"each rank's sampling stream continues only on as many ranks (torchrun --nproc_per_node={saved}, "
+                "or no torchrun for 1). Start a new run to change the number of ranks"
+            )
         self.step = restore_training_state(state, self.model, self.optimizer, scheduler=self.scheduler,
                                            generators=self.generators)
+        if saved > 1:  # the generators restored above are rank 0's
+            for name, generator in self.generators.items():
+                generator.set_state(state["generators_by_rank"][distributed.rank()][name].cpu())
         self.updates = state["updates"]
         if self.ref_model is not None:
             self.ref_model.load_state_dict(state["ref_model"])
@@ -136,8 +200,11 @@ class Trainer:
     # -- one rollout step -------------------------------------------------------------------------------------
 
     def rollout(self) -> tuple[RolloutBatch, dict]:
+        """This rank's share of the step's prompts (all of them in a single process), sampled, scored, advantaged."""
         cfg = self.cfg
-        problems = self.task.problems("train", self.step * cfg.rollout.prompts_per_step, cfg.rollout.prompts_per_step)
+        share = cfg.rollout.prompts_per_step // distributed.world_size()
+        first = self.step * cfg.rollout.prompts_per_step + distributed.rank() * share
+        problems = self.task.problems("train", first, share)
         record = cfg.routing_mode == "R3" or "rollout" in cfg.probes.enabled
         self.model.eval()
         try:
@@ -157,16 +224,46 @@ class Trainer:
             batch = batch.rows(keep_B.nonzero().squeeze(1).to(gen.tokens_BS.device))
         return batch, metrics
 
-    def minibatch_chunks(self, batch: RolloutBatch) -> tuple[RolloutBatch, list[torch.Tensor]]:
-        """Shuffle the rows (own generator) and split them into `minibatches` contiguous chunks."""
+    def rollout_on_all_ranks(self) -> tuple[RolloutBatch, dict, int]:
+        """This rank's rollout, and the number of optimizer steps of this rollout step, the same on every rank:
+        min(minibatches, the most rows any rank kept). A divergence while sampling on any rank stops every rank."""
+        try:
+            batch, metrics = self.rollout()
+            failure = None
+        except Diverged as err:
+            batch, metrics, failure = None, {}, err
+        reports = distributed.gather_objects((0 if batch is None else batch.size, failure and str(failure)))
+        if failure is not None:
+            raise failure
+        for rank, (_, message) in enumerate(reports):
+            if message is not None:
+                raise Diverged(f"rank {rank}: {message}")
+        return batch, metrics, min(self.cfg.minibatches, max(rows for rows, _ in reports))
+
+    def minibatch_chunks(self, batch: RolloutBatch, n_chunks: int) -> tuple[RolloutBatch, list[torch.Tensor]]:
+        """Shuffle the rows (own generator) and split them into `n_chunks` contiguous chunks. Empty chunks (fewer rows
+        than chunks, after DAPO's drop) are left out: they can only be the last ones."""
         order = torch.randperm(batch.size, generator=self.generators["shuffle"]).to(batch.input_ids_BS.device)
         batch = batch.rows(order)
-        chunks = [c for c in torch.arange(batch.size, device=order.device).tensor_split(self.cfg.minibatches)
-                  if len(c)]
+        chunks = [c for c in torch.arange(batch.size, device=order.device).tensor_split(n_chunks) if len(c)]
         return batch, chunks
 
+    def loss_shares(self, batch: RolloutBatch, chunks, n_updates: int) -> list[LossShare | None]:
+        """This rank's LossShare of each update's global minibatch (U updates); None each in a single process."""
+        ranks = distributed.world_size()
+        if ranks == 1:
+            return [None] * n_updates
+        counts_U3 = torch.zeros(n_updates, 3, dtype=torch.float64)  # a rank without rows for update j counts 0
+        for j, chunk in enumerate(chunks):
+            mask_BN = batch.response_mask_BN[chunk]
+            counts_U3[j, 0] = loss_denominator_count(self.spec.loss_denominator, mask_BN)
+            counts_U3[j, 1] = mask_BN.sum().item()
+            counts_U3[j, 2] = batch.input_valid_BS[chunk].sum().item()
+        shares_U3 = ranks * counts_U3 / distributed.sum_across_ranks(counts_U3).clamp(min=1)
+        return [LossShare(*share) for share in shares_U3.tolist()]
+
     @torch.no_grad()
-    def old_pass(self, batch: RolloutBatch, chunks):
+    def old_pass(self, batch: RolloutBatch, chunks) -> OldPass:
         """theta_old log-probs and routing, chunk by chunk (the same chunks the updates use)."""
         mode, temp = self.cfg.routing_mode, self.cfg.rollout.sampling.temperature
         logps, traces, entropies = [], [], []
@@ -183,32 +280,23 @@ class Trainer:
         native = None if mode == "R3" else NativeRouting(old_trace, old_logp_BN, self.updates)
         entropy = torch.cat(entropies, dim=1) if entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
-        return old_logp_BN, old_trace, native, entropy, ref_logp_BN
+        return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN)
 
     def _ref_logprobs(self, batch, chunks) -> torch.Tensor:
         temp = self.cfg.rollout.sampling.temperature
         return torch.cat([policy_forward(self.ref_model, batch.rows(c), temp).logp_BN for c in chunks])
 
     def update(self, mb: RolloutBatch, old_logp_BN, replay: RoutingTrace | None, ref_logp_BN, prober: Prober,
-               minibatch: int) -> dict:
-        """One optimizer step on minibatch `mb`; returns its metrics."""
-        cfg = self.cfg
+               minibatch: int, share: LossShare | None = None) -> dict:
+        """Forward, backward and gradient clipping on minibatch `mb` (this rank's rows of it); returns its metrics.
+        The caller takes the optimizer step."""
         self.model.train()
         record_native = replay is not None and prober.cfg.due("replay", self.updates)
-        out = policy_forward(self.model, mb, cfg.rollout.sampling.temperature, replay=replay,
+        out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
                              record_native=record_native)
         mask_BN = mb.response_mask_BN
-        loss, metrics = self.spec(out.logp_BN, old_logp_BN, mb.advantages_B, mask_BN, self.objective_cfg)
-        total = loss + (out.aux_loss if out.aux_loss is not None else 0.0)
-        if ref_logp_BN is not None:
-            kl_ref = k3(ref_logp_BN, out.logp_BN, mask_BN)
-            total = total + cfg.kl_coef * kl_ref
-            metrics["kl_ref"] = kl_ref.item()
-        self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        metrics.update({"loss/total": total.item(), "grad_norm": grad_norm.item(),
+        total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share)
+        metrics.update({"loss/total": total.item(), "grad_norm": self._backward(total),
                         "lr": self.scheduler.get_last_lr()[0],
                         "aux_loss": out.aux_loss.item() if out.aux_loss is not None else 0.0})
         metrics.update(ratio_signals(out.logp_BN.detach(), old_logp_BN, mask_BN))
@@ -216,54 +304,112 @@ class Trainer:
         if record_native:
             metrics.update(prober.replay(replay, out.native_trace, mb.token_mask_BS(prober.cfg.tokens),
                                          self.updates, minibatch))
-        if math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["grad_norm"]):
-            self.optimizer.step()  # a non-finite step is never taken; rl_step logs it and stops the run
-            self.scheduler.step()
         return metrics
 
+    def _loss(self, out, mb: RolloutBatch, old_logp_BN, ref_logp_BN, share: LossShare | None):
+        """objective + router aux loss (+ kl_coef * k3 KL to the reference); under DDP each term weighted by `share`."""
+        loss, metrics = self.spec(out.logp_BN, old_logp_BN, mb.advantages_B, mb.response_mask_BN, self.objective_cfg)
+        aux_loss = out.aux_loss if out.aux_loss is not None else 0.0
+        kl_coef = self.cfg.kl_coef
+        if share is not None:
+            loss, aux_loss, kl_coef = loss * share.objective, aux_loss * share.aux, kl_coef * share.kl
+            metrics["loss"] = loss.item()  # the mean over ranks is the loss over all ranks' rows
+        total = loss + aux_loss
+        if ref_logp_BN is not None:
+            kl_ref = k3(ref_logp_BN, out.logp_BN, mb.response_mask_BN)
+            total = total + kl_coef * kl_ref
+            metrics["kl_ref"] = kl_ref.item()
+        return total, metrics
+
+    def _backward(self, total: torch.Tensor) -> float:
+        """Gradients of `total` (averaged over ranks by DDP), clipped; returns the norm before clipping."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+
+    def idle_update(self) -> dict:
+        """This rank's part of an update for which it has no rows (DAPO dropped them). DDP's all-reduce needs every
+        rank, so it runs a forward and backward of zero times the loss of a placeholder row: its gradient counts as
+        zero in the average, as its LossShare would. It reports only what is not about its rows."""
+        self.model.train()
+        out = policy_forward(self.train_model, self.placeholder, self.cfg.rollout.sampling.temperature)
+        zero = 0.0 * (masked_sum(out.logp_BN, self.placeholder.response_mask_BN) + out.aux_loss)
+        grad_norm = self._backward(zero)
+        return {"loss": 0.0, "loss/total": 0.0, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+
+    def train_update(self, j: int, batch: RolloutBatch, chunk, old: OldPass | None, prober: Prober | None,
+                     share: LossShare | None) -> tuple[dict, bool]:
+        """Optimizer step j of this rollout step on this rank: probes before, forward and backward on its chunk (or
+        idle: chunk None), the step if every rank's loss and gradient norm are finite, probes after. Returns this
+        rank's metrics (not yet reduced) and whether the step was taken."""
+        t_probe = time.perf_counter()
+        metrics = dict(prober.before_update(self.model, self.updates, j)) if prober else {}
+        t_update = time.perf_counter()
+        if chunk is None:
+            metrics.update(self.idle_update())
+        else:
+            replay = self._replay_trace(batch, old.trace, chunk)
+            ref = old.ref_logp_BN[chunk] if old.ref_logp_BN is not None else None
+            metrics.update(self.update(batch.rows(chunk), old.logp_BN[chunk], replay, ref, prober, j, share))
+        # Every rank agrees, so a NaN in one rank's loss stops every rank (their gradients are all-reduced already).
+        finite = distributed.all_true(math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["grad_norm"]))
+        if finite:  # a non-finite step is never taken; rl_step logs it and stops the run
+            self.optimizer.step()
+            self.scheduler.step()
+        metrics["time/update"] = time.perf_counter() - t_update
+        if finite:
+            t_after = time.perf_counter()
+            if prober:
+                metrics.update(prober.after_update(self.model, self.updates, j))
+            metrics["time/probes"] = time.perf_counter() - t_after + (t_update - t_probe)
+        return metrics, finite
+
     def rl_step(self, write) -> None:
-        """One rollout step and its optimizer steps; `write(line)` appends each metrics line as it is made.
+        """One rollout step and its optimizer steps; `write(line)` appends each metrics line as it is made (rank 0;
+        the other ranks' `write` drops it). Every rank makes the same collective calls in the same order.
 
         Raises Diverged after logging the line of a non-finite optimizer step."""
         cfg, t0 = self.cfg, time.perf_counter()
-        batch, rollout_metrics = self.rollout()
+        batch, rollout_metrics, n_updates = self.rollout_on_all_ranks()
         t1 = time.perf_counter()
-        if batch.size == 0:  # DAPO dropped every group: nothing to learn from this batch
-            write({"step": self.step, "minibatch": -1, "update": self.updates, "update/skipped": 1,
-                   **rollout_metrics, "time/rollout": t1 - t0})
+        if n_updates == 0:  # DAPO dropped every group (of every rank): nothing to learn from this batch
+            rollout_metrics = distributed.reduce_metrics({**rollout_metrics, "time/rollout": t1 - t0})
+            write({"step": self.step, "minibatch": -1, "update": self.updates, "update/skipped": 1, **rollout_metrics})
             return
-        batch, chunks = self.minibatch_chunks(batch)
-        old_logp_BN, old_trace, native, entropy, ref_logp_BN = self.old_pass(batch, chunks)
-        rollout_metrics.update(sampler_mismatch(batch, old_logp_BN))
-        t2 = time.perf_counter()
-        prober = Prober(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed, self.step)
-        rollout_metrics.update(prober.start(self.model, self.updates, native, entropy, cfg.model.n_experts))
-        rollout_metrics.update({"time/rollout": t1 - t0, "time/old_pass": t2 - t1,
-                                "time/rollout_probes": time.perf_counter() - t2})
-        if self._eval_due():
+        batch, chunks = self.minibatch_chunks(batch, n_updates)
+        shares = self.loss_shares(batch, chunks, n_updates)
+        old, prober = None, None
+        if chunks:  # always, except on a data-parallel rank whose groups DAPO all dropped: it takes part idle
+            old = self.old_pass(batch, chunks)
+            rollout_metrics.update(sampler_mismatch(batch, old.logp_BN))
+            t2 = time.perf_counter()
+            prober = Prober(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed, self.step)
+            rollout_metrics.update(prober.start(self.model, self.updates, old.native, old.router_entropy_LBS,
+                                                cfg.model.n_experts))
+            rollout_metrics.update({"time/old_pass": t2 - t1, "time/rollout_probes": time.perf_counter() - t2})
+        rollout_metrics["time/rollout"] = t1 - t0
+        if self._eval_due() and distributed.is_main():
             rollout_metrics.update(self.evaluate())
-        for j, chunk in enumerate(chunks):
+        rollout_metrics = distributed.reduce_metrics(rollout_metrics)
+        for j in range(n_updates):
             line = {"step": self.step, "minibatch": j, "update": self.updates, **rollout_metrics}
             rollout_metrics = {k: v for k, v in rollout_metrics.items() if not k.startswith("eval/")}
-            t_probe = time.perf_counter()
-            line.update(prober.before_update(self.model, self.updates, j))
-            t_update = time.perf_counter()
-            replay = self._replay_trace(batch, old_trace, chunk)
-            ref = ref_logp_BN[chunk] if ref_logp_BN is not None else None
-            line.update(self.update(batch.rows(chunk), old_logp_BN[chunk], replay, ref, prober, j))
-            line["time/update"] = time.perf_counter() - t_update
-            if not (math.isfinite(line["loss/total"]) and math.isfinite(line["grad_norm"])):
+            chunk = chunks[j] if j < len(chunks) else None  # None: this rank has no rows left for update j
+            metrics, finite = self.train_update(j, batch, chunk, old, prober, shares[j])
+            line.update(distributed.reduce_metrics(metrics))
+            if not finite:
                 write(line)
                 raise Diverged(f"non-finite loss ({line['loss/total']}) or gradient norm ({line['grad_norm']}) "
                                f"at step {self.step}, minibatch {j}")
-            t_after = time.perf_counter()
-            line.update(prober.after_update(self.model, self.updates, j))
-            line["time/probes"] = time.perf_counter() - t_after + (t_update - t_probe)
             self.updates += 1
             write(line)
-        if prober.tables:
-            write_table(self.run.path, "routing", self.step, prober.tables)
-        self._write_samples(batch)
+        tables = distributed.reduce_table(prober.tables if prober else [], by=ROUTING_TABLE_KEYS)
+        if distributed.is_main():
+            if tables:
+                write_table(self.out_dir, "routing", self.step, tables)
+            if chunks:
+                self._write_samples(batch)
 
     def _eval_due(self) -> bool:
         every = self.cfg.log.eval_every
@@ -283,7 +429,7 @@ class Trainer:
         rows = [{"prompt": batch.prompts[i], "completion": batch.completions[i],
                  "reward": batch.rewards_B[i].item(), "advantage": batch.advantages_B[i].item()}
                 for i in range(min(keep, batch.size))]
-        write_table(self.run.path, "samples", self.step, rows)
+        write_table(self.out_dir, "samples", self.step, rows)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -306,6 +452,18 @@ def k3(ref_logp_BN, logp_BN, mask_BN) -> torch.Tensor:
     return masked_mean(delta.exp() - delta - 1, mask_BN)
 
 
+def placeholder_row(tokenizer, device: torch.device) -> RolloutBatch:
+    """A one-row batch, prompt BOS and response EOS, for a forward whose loss counts zero (`Trainer.idle_update`)."""
+    one_11 = torch.ones(1, 1, dtype=torch.bool, device=device)
+    zero_1 = torch.zeros(1, device=device)
+    return RolloutBatch(
+        input_ids_BS=torch.full((1, 1), tokenizer.bos_id, device=device), input_valid_BS=one_11, prompt_len=1,
+        response_BN=torch.full((1, 1), tokenizer.eos_id, device=device), response_mask_BN=one_11,
+        sampler_logp_BN=torch.zeros(1, 1, device=device), rewards_B=zero_1, advantages_B=zero_1,
+        group_B=torch.zeros(1, dtype=torch.long, device=device), sampler_routing=None, prompts=[""], completions=[""],
+    )
+
+
 def length_stats(batch: RolloutBatch, max_new_tokens: int) -> dict:
     lengths_B = batch.response_mask_BN.sum(1).float()
     return {"completions/mean_length": lengths_B.mean().item(),
@@ -321,33 +479,72 @@ def sampler_mismatch(batch: RolloutBatch, old_logp_BN: torch.Tensor) -> dict:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run (or resume) RL training; returns the run directory."""
+    """Run (or resume) RL training, in one process or as one rank of a torchrun job; returns the run directory."""
     torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    run = RunDir(cfg.out_dir, cfg, resume=cfg.resume, seed=cfg.seed, device=device)
-    with run:
-        trainer = Trainer(cfg, run, device)
-        if cfg.resume:
-            trainer.restore()
-        trackers = make_trackers(cfg.log.trackers, run.path, config=run.config)
-        resume_from = trainer.step - 1 if cfg.resume else None
-        with run.open_metrics(resume_from_step=resume_from, trackers=trackers, tracker_step_key="update") as metrics:
-            _loop(trainer, metrics, run)
-    return run.path
+    with distributed.process_group(resolve_device(cfg.device)) as device:
+        cfg.check_data_parallel(distributed.world_size())
+        run = open_run(cfg, device)
+        with run if run is not None else nullcontext():
+            trainer = Trainer(cfg, device)
+            if cfg.resume:
+                trainer.restore()
+            with open_metrics(run, trainer) as metrics:
+                _loop(trainer, metrics.write, run)
+    return Path(cfg.out_dir)
 
 
-def _loop(trainer: Trainer, metrics, run: RunDir) -> None:
-    """Rollout steps until total_steps; eval lines and checkpoints on their cadence."""
+def open_run(cfg: TrainConfig, device: torch.device) -> RunDir | None:
+    """Rank 0 creates (or resumes) the run directory; the other ranks get None. Every rank learns how that went, so
+    a refused directory stops every rank with rank 0's error instead of leaving the others waiting for it."""
+    run, error = None, None
+    if distributed.is_main():
+        try:
+            run = RunDir(cfg.out_dir, cfg, resume=cfg.resume, seed=cfg.seed, device=device)
+        except Exception as err:  # re-raised on every rank just below
+            error = err
+    error = distributed.broadcast_object(error)
+    if error is not None:
+        raise error
+    return run
+
+
+class _NoMetrics:
+    """The metrics writer of ranks other than 0: they compute and reduce every line, and rank 0 writes it."""
+
+    def __enter__(self) -> _NoMetrics:
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        return False
+
+    def write(self, line: dict) -> None:
+        pass
+
+
+def open_metrics(run: RunDir | None, trainer: Trainer):
+    """Rank 0's metrics.jsonl writer (and trackers); a writer that drops every line on the other ranks."""
+    if run is None:
+        return _NoMetrics()
+    cfg = trainer.cfg
+    trackers = make_trackers(cfg.log.trackers, run.path, config=run.config)
+    resume_from = trainer.step - 1 if cfg.resume else None
+    return run.open_metrics(resume_from_step=resume_from, trackers=trackers, tracker_step_key="update")
+
+
+def _loop(trainer: Trainer, write, run: RunDir | None) -> None:
+    """Rollout steps until total_steps; eval lines and checkpoints on their cadence. `run` is None on ranks other
+    than 0."""
     cfg = trainer.cfg
     while trainer.step < cfg.total_steps:
         try:
-            trainer.rl_step(metrics.write)
-        except Diverged as err:
-            run.mark_diverged(str(err))
+            trainer.rl_step(write)
+        except Diverged as err:  # raised on every rank together
+            if run is not None:
+                run.mark_diverged(str(err))
             return
         trainer.step += 1
-        if trainer.step == cfg.total_steps and cfg.log.eval_every:
+        if trainer.step == cfg.total_steps and cfg.log.eval_every and distributed.is_main():
             # The policy after the last update; step = total_steps marks "after training".
-            metrics.write({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
+            write({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.total_steps:
             trainer.save()

@@ -31,7 +31,7 @@ from moe_rl.objectives.registry import register_objective
 DEFAULT_CLIP = (None, 5.0)
 
 
-@register_objective("cispo", default_clip=DEFAULT_CLIP, clip_space="is_weight")
+@register_objective("cispo", default_clip=DEFAULT_CLIP, clip_space="is_weight", loss_denominator="tokens")
 def cispo(
     logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages: torch.Tensor, mask_BT: torch.Tensor,
     cfg: ObjectiveConfig,

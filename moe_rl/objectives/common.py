@@ -113,3 +113,15 @@ def finish(loss: torch.Tensor, *metric_dicts: dict[str, float]) -> tuple[torch.T
     for extra in metric_dicts:
         metrics.update(extra)
     return loss, metrics
+
+
+def loss_denominator_count(denominator: str, mask_BT: torch.Tensor) -> int:
+    """How many of what the loss averages over (ObjectiveSpec.loss_denominator) these rows hold: non-empty
+    sequences, response tokens, or rows. Data-parallel training weights each rank's loss by its share of the count."""
+    if denominator == "sequences":
+        return int(nonempty_sequences(mask_BT).sum())
+    if denominator == "tokens":
+        return int(as_bool_mask(mask_BT).sum())
+    if denominator == "rows":
+        return mask_BT.shape[0]
+    raise ValueError(f"unknown loss denominator {denominator!r}")

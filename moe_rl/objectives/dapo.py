@@ -22,7 +22,7 @@ from moe_rl.objectives.registry import register_objective
 DEFAULT_CLIP = (0.2, 0.28)
 
 
-@register_objective("dapo", default_clip=DEFAULT_CLIP, drop_zero_std_groups=True)
+@register_objective("dapo", default_clip=DEFAULT_CLIP, drop_zero_std_groups=True, loss_denominator="tokens")
 def dapo(
     logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages: torch.Tensor, mask_BT: torch.Tensor,
     cfg: ObjectiveConfig,

@@ -23,7 +23,7 @@ from moe_rl.objectives.registry import register_objective
 DEFAULT_CLIP = (0.2, 0.2)
 
 
-@register_objective("dr_grpo", default_clip=DEFAULT_CLIP, normalize_adv_by_std=False)
+@register_objective("dr_grpo", default_clip=DEFAULT_CLIP, normalize_adv_by_std=False, loss_denominator="rows")
 def dr_grpo(
     logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages: torch.Tensor, mask_BT: torch.Tensor,
     cfg: ObjectiveConfig,

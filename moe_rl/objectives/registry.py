@@ -26,6 +26,10 @@ ObjectiveFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 # What the clip numbers bound: the ratio w in [1-e_lo, 1+e_hi] (PPO style, the gradient is cut outside), log w in
 # [-e_lo, e_hi] (GMPO), or the stop-gradient importance weight (CISPO truncates it, the gradient is never cut).
 CLIP_SPACES = ("ratio", "log_ratio", "is_weight")
+# What the loss averages over: non-empty sequences (grpo, gspo, ...), response tokens of the batch (dapo, cispo) or
+# rows, empty or not (dr_grpo's constant B * L_max). Data-parallel training weights each rank's loss by its share of
+# this count, so that the averaged gradient is the gradient of the loss on all ranks' rows together (train.py).
+LOSS_DENOMINATORS = ("sequences", "tokens", "rows")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class ObjectiveSpec:
     clip_space: str
     normalize_adv_by_std: bool
     drop_zero_std_groups: bool
+    loss_denominator: str
     summary: str
 
     def __call__(self, logp_BT, old_logp_BT, advantages, mask_BT, cfg: ObjectiveConfig) -> Any:
@@ -55,16 +60,18 @@ def register_objective(
     normalize_adv_by_std: bool = True,
     drop_zero_std_groups: bool = False,
     clip_space: str = "ratio",
+    loss_denominator: str = "sequences",
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Decorator: register `fn` under `name`. The summary is the first line of its docstring."""
     check_choice("clip_space", clip_space, CLIP_SPACES)
+    check_choice("loss_denominator", loss_denominator, LOSS_DENOMINATORS)
 
     def decorate(fn: ObjectiveFn) -> ObjectiveFn:
         if name in _REGISTRY:
             raise ValueError(f"objective {name!r} is registered twice")
         summary = next(iter((fn.__doc__ or "").strip().splitlines()), "")
         _REGISTRY[name] = ObjectiveSpec(
-            name, fn, default_clip, clip_space, normalize_adv_by_std, drop_zero_std_groups, summary
+            name, fn, default_clip, clip_space, normalize_adv_by_std, drop_zero_std_groups, loss_denominator, summary
         )
         return fn
 
