@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.distributed import unwrap
+from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import RolloutBatch
 from moe_rl.routing import RoutingTrace, record_routing, replay_routing
 
@@ -29,13 +30,6 @@ class PolicyOutput:
     trace: RoutingTrace | None  # the routing used: recorded (native) or the replayed trace
     native_trace: RoutingTrace | None  # under replay with record_native: what the routers would have chosen
     router_entropy_LBS: torch.Tensor | None  # with_entropy: entropy of each token's router distribution
-
-
-def autocast_context(device: torch.device):
-    """bf16 autocast on GPU; fp32 (no autocast) on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 def policy_forward(

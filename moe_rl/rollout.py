@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.errors import ConfigError, check_positive
+from moe_rl.model.layers import autocast_context
 from moe_rl.routing import RoutingTrace, record_routing
 
 
@@ -90,8 +91,23 @@ def sample_next(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.G
     probs_BV = logp_BV.exp()
     if cfg.top_p < 1.0:
         probs_BV = _nucleus(probs_BV, cfg.top_p)
-    tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+    tokens_B = inverse_cdf_draw(probs_BV, generator)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from (possibly unnormalised) probabilities, by inverse CDF.
+
+    The B uniforms come from `generator` on its own device, so one CPU generator (whose state a checkpoint
+    saves like any other) drives sampling on any device; torch.multinomial would need a generator on the
+    probabilities' device. Zero-probability tokens are never drawn.
+    """
+    gen_device = generator.device if generator is not None else probs_BV.device
+    u_B = torch.rand(probs_BV.shape[0], generator=generator, device=gen_device, dtype=torch.float64)
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    threshold_B1 = (u_B.to(probs_BV.device) * cdf_BV[:, -1])[:, None]
+    tokens_B = torch.searchsorted(cdf_BV, threshold_B1, right=True).squeeze(1)
+    return tokens_B.clamp(max=probs_BV.shape[1] - 1)
 
 
 def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -121,7 +137,8 @@ def generate(
     tokens_BS, valid_BS = ids_BP, valid_BP
     finished_B = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
     logprobs = []
-    with record_routing(model) if record and use_cache else nullcontext() as recorder:
+    with record_routing(model) if record and use_cache else nullcontext() as recorder, \
+            autocast_context(ids_BP.device):
         logits_BV = model(ids_BP, valid_BP, cache).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
             next_B, logp_B = sample_next(logits_BV, cfg, generator)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from moe_rl.checkpoint import save_checkpoint
 from moe_rl.config import SFTConfig
-from moe_rl.policy import autocast_context
+from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import encode_prompts, generate
 from moe_rl.runlog import RunDir
 from moe_rl.tasks import build_task, build_tokenizer

@@ -132,3 +132,15 @@ def test_temperature_scales_reported_logprobs():
 def test_bad_sampling_config_names_field(kw, field):
     with pytest.raises(ConfigError, match=field):
         SamplingConfig(**kw)
+
+
+def test_inverse_cdf_draw_matches_the_distribution_and_skips_zero_probabilities():
+    from moe_rl.rollout import inverse_cdf_draw
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2]]).expand(20000, 4)
+    draws = inverse_cdf_draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[1] == 0
+    torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+    unnormalised = inverse_cdf_draw(probs * 3.0, torch.Generator().manual_seed(0))
+    assert torch.equal(unnormalised, draws)

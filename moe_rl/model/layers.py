@@ -6,6 +6,7 @@ Dh head dim, D model dim.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -125,6 +126,13 @@ def attention_mask(valid_BP: torch.Tensor, query_len: int) -> torch.Tensor:
 def positions_from_mask(valid_BS: torch.Tensor) -> torch.Tensor:
     """Position ids counting valid tokens only, so left padding does not shift a prompt's positions."""
     return (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def autocast_context(device: torch.device):
+    """bf16 autocast on GPU (the routers opt out and stay fp32); fp32, no autocast, on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
