@@ -3,6 +3,7 @@ every field).
 
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
+    moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ def _sft():
     return SFTConfig, sft
 
 
+def _sweep():
+    from moe_rl.sweep import SweepConfig, sweep_command
+
+    return SweepConfig, sweep_command
+
+
 COMMANDS: dict[str, Command] = {
     "sft": Command("supervised warm start on task solutions (writes a checkpoint for --init-from)", _sft),
     "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
+    "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
 }
 
 
