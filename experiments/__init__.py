@@ -3,10 +3,12 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 
 | name                   | the question it answers                                                   | CPU default        |
 |------------------------|---------------------------------------------------------------------------|--------------------|
-| `smoke`                | does the sweep path work end to end (tests, CI)                           | 4 runs, seconds    |
+| `smoke`                | does the sweep path work end to end (tests, CI)                           | 4 runs, ~30 s      |
 | `churn_repro`          | update churn per layer vs lr, depth, experts, top-k (the GSPO ~10% claim) | 30 runs, ~10 min   |
-| `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 on one warm start, over seeds           | 15 runs, ~7 min    |
-| `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time         | 15 runs, ~8 min    |
+| `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 on one warm start, over seeds           | 15 runs, ~10 min   |
+| `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time         | 14 runs, ~5 min    |
+
+CPU times are with `--workers 2` on a shared 2-core machine.
 
 Each takes `scale="gpu"` for its GPU-sized variant. To add one: write a function in a new module here, give it a
 docstring with its question and expected time, and list it in EXPERIMENTS.

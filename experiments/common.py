@@ -1,8 +1,9 @@
 """The base configs the named experiments share, at two scales.
 
 cpu: the default tiny native MoE (d_model 64, 4 layers, 8 experts, top-2) on chain_sum with 2-3 one-digit terms, warm
-     started by 300 SFT steps (batch 64, lr 3e-3; about 0.3-0.6 sampled reward, about 15 s on one CPU thread). One RL
-     rollout step (16 prompts x 8 completions, 4 minibatches, every routing probe) takes about 0.3-0.5 s.
+     started by 300 SFT steps (batch 64, lr 3e-3; 0.3-0.6 sampled reward, 15-30 s on one CPU thread). One RL rollout
+     step (16 prompts x 8 completions, 4 minibatches, every routing probe) takes 0.3-1 s, more for deeper or wider
+     models; each run process also spends about 4 s importing torch and reasoning-gym.
 gpu: a deeper, wider model in the regime of the GSPO paper's churn claim (d_model 512, 24 layers, 64 experts, top-8,
      expert width 192 = 0.375 d_model as in Qwen3-30B-A3B) on harder chain_sum (2-5 two-digit terms), bf16 on one GPU,
      batches of 64 prompts x 16 completions. These sizes are a documented starting point, not yet tuned on GPU runs.

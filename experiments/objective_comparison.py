@@ -14,8 +14,9 @@ mismatch), so replaying either routing is the same; R3 differs from R2 on GPU.
     moe-rl sweep objective_comparison --arg lr=3e-4 steps=200
     moe-rl sweep objective_comparison --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU (default): 15 runs x 60 rollout steps (240 updates each) plus one warm start; measured 20-70 s per run, about
-10-12 min with --workers 2 on this shared 2-core machine. GPU (`scale="gpu"`): 200 rollout steps, not yet timed.
+CPU (default): 15 runs x 60 rollout steps (240 updates each) plus one warm start; about 8-12 min with --workers 2 on
+this shared 2-core machine (a measured 5-run slice: warm start 25 s, runs 20-70 s). GPU (`scale="gpu"`): 200 rollout
+steps at lr 1e-5, not yet timed.
 The CPU learning rate is a first choice, not a tuned one: in a first run (seed 0, 60 steps, held-out reward of 64
 prompts from 0.44 after SFT) every method stayed level at lr 1e-4 (0.31-0.45) and every method lost reward at 3e-4
 (0.12-0.27 at step 60).

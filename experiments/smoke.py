@@ -1,7 +1,8 @@
 """smoke: does the whole sweep path work? Warm start, two objectives x two routing modes, two RL steps each.
 
-Used by the tests and CI. CPU: about 10-20 s in all with `--workers 2` on a 2-core machine, most of it the start of
-five Python processes (one warm start, four runs). `scale="gpu"` runs the same grid on cuda.
+Used by the tests and CI. CPU: about 30 s in all with `--workers 2` on a shared 2-core machine, nearly all of it the
+start of five Python processes (one warm start, four runs; the training itself takes under a second each).
+`scale="gpu"` runs the same grid on cuda.
 
     moe-rl sweep smoke --workers 2
 """

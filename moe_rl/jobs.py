@@ -60,7 +60,7 @@ def execute_job(sweep_dir: str | os.PathLike, kind: str, name: str, threads: int
     try:
         result = _warmstart_job(data, name, threads) if kind == "warmstart" else _run_job(data, name, threads)
     except BaseException as err:  # also SystemExit from a submitit requeue and KeyboardInterrupt
-        update_record(sweep_dir, kind, name, state="ended", error=f"{type(err).__name__}: {err}")
+        update_record(sweep_dir, kind, name, state="ended", error=f"{type(err).__name__}: {err}".rstrip(": "))
         raise
     else:
         update_record(sweep_dir, kind, name, state="ended", error=None)
@@ -139,7 +139,8 @@ def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: i
     if not jobs:
         return
     width = len(str(len(jobs)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         futures = {pool.submit(_subprocess_job, sweep_dir, kind, name, threads): (kind, name) for kind, name in jobs}
         for done, future in enumerate(as_completed(futures), start=1):
             kind, name = futures[future]
@@ -149,6 +150,11 @@ def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: i
             label = f"warm start {name}" if kind == "warmstart" else name
             echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s)"
                  + (f"  {reason}" if reason and status != "finished" else ""))
+    except BaseException:
+        # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> float:

@@ -29,6 +29,7 @@ import inspect
 import json
 import os
 import shlex
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -289,7 +290,12 @@ def sweep_command(cfg: SweepConfig) -> None:
         print("dry run: nothing was run or written")
         return
     if cfg.executor == "local":
-        index = run_local(plan, cfg.workers, cfg.retry_diverged)
+        try:
+            index = run_local(plan, cfg.workers, cfg.retry_diverged)
+        except KeyboardInterrupt:
+            print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
     else:
         try:
             from moe_rl.slurm import make_executor, submit, wait_for

@@ -93,6 +93,7 @@ def test_ablations_change_one_knob_at_a_time():
     assert [(c.clip_low, c.clip_high) for c in clips] == [(0.1, 0.135), (0.4, 0.54)]  # GRPO's 0.2 / 0.27 x 0.5, 2
     assert {r.config.minibatches for r in plan.runs} == {1, 2, 4, 8} and base.minibatches == 4
     assert len(plan.warmstarts) == 7  # base + experts x2 + top-k x2 + depth x2
+    assert base.optim.lr == 1e-4 and {"lr=3e-5,seed=0", "lr=3e-4,seed=0"} <= {r.name for r in plan.runs}
 
     gspo = plan_sweep("ablations", "/tmp/unused", {"objective": "gspo"})
     gspo_clips = [r.config.objective.clip_low for r in gspo.runs if "objective.clip_low" in r.point]

@@ -21,7 +21,7 @@ from moe_rl.jobs import execute_job, run_local
 from moe_rl.model import ModelConfig
 from moe_rl.overrides import coerce, from_dict, with_overrides
 from moe_rl.runlog import config_to_dict, read_manifest
-from moe_rl.sweep import plan_sweep
+from moe_rl.sweep import plan_sweep, print_plan
 from moe_rl.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
 from moe_rl.train import Trainer
 
@@ -262,7 +262,7 @@ def test_diverged_is_a_result_and_is_only_rerun_on_request(tmp_path):
 # --- the SLURM path, through submitit executors that need no cluster ---------------------------------------------
 
 
-def test_debug_executor_requeue_resumes_from_the_checkpoint(tmp_path, monkeypatch):
+def test_debug_executor_requeue_resumes_from_the_checkpoint(tmp_path, monkeypatch, capsys):
     submitit = pytest.importorskip("submitit")
     from moe_rl.slurm import SweepJob, submit
 
@@ -284,6 +284,9 @@ def test_debug_executor_requeue_resumes_from_the_checkpoint(tmp_path, monkeypatc
     assert read_manifest(run_dir)["status"] == "failed" and checkpoint_step(run_dir) == 2
     assert read_index(plan.sweep_dir)["status"].tolist() == ["failed"]
     first_half = metric_lines(run_dir)[:2 * 4]
+    capsys.readouterr()
+    print_plan(plan, existing=True)  # what --dry-run shows now
+    assert "resume   base,seed=0  from the checkpoint at step 2; was failed: SystemExit: 144" in capsys.readouterr().out
 
     requeued = job.submission().function.checkpoint()
     assert isinstance(requeued.function, SweepJob) and requeued.function.requeues == 1
@@ -371,6 +374,33 @@ def test_local_executor_preempted_job_requeues_and_resumes(tmp_path, monkeypatch
 
 
 # --- the real command -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_sweep_and_a_rerun_resumes_the_interrupted_runs(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "moe_rl.cli", "sweep", "smoke", "--arg", "steps=100", "--sweep-dir", "s",
+               "--workers", "2"]
+    driver = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    first = [tmp_path / "s" / "runs" / name / "checkpoints" / "latest.pt" for name in
+             ("obj=grpo,mode=native", "obj=grpo,mode=R2")]
+    deadline = time.time() + 120
+    while not all(path.exists() for path in first):
+        assert time.time() < deadline and driver.poll() is None
+        time.sleep(0.05)
+    os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the driver and its workers
+    out, err = driver.communicate(timeout=60)
+    assert driver.returncode == 130 and "run the same command again to resume" in err
+    assert sorted(p.name for p in (tmp_path / "s" / "runs").iterdir()) == ["obj=grpo,mode=R2", "obj=grpo,mode=native"]
+
+    again = moe_rl(*command[3:], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.count("resume   obj=grpo") == 2 and again.stdout.count("start    obj=gspo") == 2
+    for path in first:
+        run_dir = path.parents[1]
+        assert read_manifest(run_dir)["status"] == "finished" and len(read_manifest(run_dir)["resumes"]) == 1
+        assert [line["step"] for line in metric_lines(run_dir, minibatch=0)] == list(range(100))
 
 
 @pytest.mark.slow
