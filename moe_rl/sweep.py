@@ -300,7 +300,8 @@ def sweep_command(cfg: SweepConfig) -> None:
         try:
             from moe_rl.slurm import make_executor, submit, wait_for
         except ImportError as err:
-            raise ConfigError(f"--executor {cfg.executor} needs submitit: pip install 'moe-rl[cluster]' ({err})") from None
+            raise ConfigError(f"--executor {cfg.executor} needs submitit: pip install 'moe-rl[cluster]' ({err})") \
+                from None
 
         executor = make_executor(cfg, plan.sweep_dir)
         jobs = submit(plan, executor, threads=cfg.cpus_per_job if cfg.executor == "slurm" else None,

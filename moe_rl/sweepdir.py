@@ -230,7 +230,8 @@ def todo(plan: SweepPlan, retry_diverged: bool = False) -> tuple[list[str], list
 
 
 def planned_action(run: PlannedRun, retry_diverged: bool = False) -> tuple[str, str]:
-    """What this invocation will do with a planned run: run_action, except that --retry-diverged restarts diverged runs."""
+    """What this invocation does with a planned run: run_action, except that --retry-diverged restarts diverged
+    runs."""
     action, why = run_action(Path(run.config.out_dir))
     if retry_diverged and why.startswith("diverged"):
         return "restart", f"--retry-diverged; was {why}"
