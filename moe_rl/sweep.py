@@ -249,8 +249,8 @@ class SweepConfig:
     arg: tuple[str, ...] = ()
     """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
     set: tuple[str, ...] = ()
-    """Overrides for every run, dotted.field=value (e.g. optim.lr=3e-4 total_steps=10); sft.<field>=value changes
-    the warm start. A swept field cannot be overridden."""
+    """Overrides for every run, dotted.field=value (optim.lr=3e-4 total_steps=10); sft.<field>=value: warm start.
+    A field the experiment sweeps cannot be overridden."""
     sweep_dir: str | None = None
     """The sweep directory; default sweeps/<experiment>[,<arg>=<value>...]."""
     dry_run: bool = False
