@@ -1,0 +1,24 @@
+"""Named experiments: Python functions that return an `Experiment` (moe_rl.grid): the config every run starts from,
+the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name=value` passes its arguments.
+
+| name                   | the question it answers                                                 | CPU default      |
+|------------------------|-------------------------------------------------------------------------|------------------|
+| `smoke`                | does the sweep path work end to end (tests, CI)                         | 4 runs, ~30 s    |
+| `churn_repro`          | update churn per layer vs lr, depth, experts, top-k (GSPO's ~10% claim) | 30 runs, ~10 min |
+| `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 on one warm start, over seeds         | 15 runs, ~10 min |
+| `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
+
+CPU times are with `--workers 2` on a shared 2-core machine.
+
+Each takes `scale="gpu"` for its GPU-sized variant. To add one: write a function in a new module here, give it a
+docstring with its question and expected time, and list it in EXPERIMENTS.
+"""
+
+from experiments.ablations import ablations
+from experiments.churn_repro import churn_repro
+from experiments.objective_comparison import objective_comparison
+from experiments.smoke import smoke
+
+EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations)}
+
+__all__ = ["EXPERIMENTS", "ablations", "churn_repro", "objective_comparison", "smoke"]

@@ -3,6 +3,7 @@ every field).
 
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
+    moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
 
@@ -39,6 +40,12 @@ def _sft():
     return SFTConfig, sft
 
 
+def _sweep():
+    from moe_rl.sweep import SweepConfig, sweep_command
+
+    return SweepConfig, sweep_command
+
+
 def _report():
     from analysis.report import ReportConfig, report
 
@@ -48,6 +55,7 @@ def _report():
 COMMANDS: dict[str, Command] = {
     "sft": Command("supervised warm start on task solutions (writes a checkpoint for --init-from)", _sft),
     "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
+    "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }
 

@@ -1,0 +1,206 @@
+"""Sweep jobs: run one warm start or run of a stored sweep (`execute_job`), and the local pool of worker processes.
+
+    python -m moe_rl.jobs <sweep_dir> run <name> [--threads N]        what each local worker runs
+    run_local(plan, workers=2)                                          what `moe-rl sweep` runs without --executor
+
+Each job decides for itself from the run directory (moe_rl.sweepdir.run_action): skip a finished or diverged run,
+resume one that stopped with a checkpoint, start the others (over). The SLURM jobs (moe_rl.slurm) call the same
+`execute_job`, so a requeued job resumes the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.errors import ConfigError
+from moe_rl.overrides import from_dict
+from moe_rl.provenance import utc_now
+from moe_rl.runlog import read_config, read_manifest
+from moe_rl.sweepdir import (RUNS, WARMSTART, checkpoint_step, clear_diverged, file_lock, job_status, read_record,
+                             read_sweep, record_path, run_action, store_plan, todo, update_record, warmstart_done,
+                             write_index)
+
+if TYPE_CHECKING:
+    from moe_rl.sweep import SweepPlan
+
+
+class WarmStartError(RuntimeError):
+    """A run's warm start has not finished, so the run cannot start."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One job: a warm start or a run, in the current process (the local worker subprocess or a SLURM job)
+
+
+def execute_job(sweep_dir: str | os.PathLike, kind: str, name: str, threads: int | None = None) -> dict[str, Any]:
+    """Run, resume or skip one warm start or run of a stored sweep; returns {name, action, status, reason, ...}.
+
+    Exceptions propagate (the job fails) after the job record notes them; the index is rebuilt either way."""
+    sweep_dir = Path(sweep_dir)
+    data = read_sweep(sweep_dir)
+    attempts = read_record(sweep_dir, kind, name).get("attempts", 0) + 1
+    update_record(sweep_dir, kind, name, state="running", attempts=attempts, error=None, host=os.uname().nodename,
+                  pid=os.getpid())
+    try:
+        result = _warmstart_job(data, name, threads) if kind == "warmstart" else _run_job(data, name, threads)
+    except BaseException as err:  # also SystemExit from a submitit requeue and KeyboardInterrupt
+        update_record(sweep_dir, kind, name, state="ended", error=f"{type(err).__name__}: {err}".rstrip(": "))
+        raise
+    else:
+        update_record(sweep_dir, kind, name, state="ended", error=None)
+    finally:
+        write_index(sweep_dir)
+    return result
+
+
+def _run_job(data: Mapping, name: str, threads: int | None) -> dict[str, Any]:
+    from moe_rl.train import train
+
+    entry = next((r for r in data["runs"] if r["name"] == name), None)
+    if entry is None:
+        raise ConfigError(f"the sweep has no run named {name!r}")
+    cfg = from_dict(TrainConfig, entry["config"])
+    run_dir = Path(cfg.out_dir)
+    if entry["warmstart"] and not warmstart_done(Path(data["warmstarts"][entry["warmstart"]]["out_dir"])):
+        raise WarmStartError(f"warm start {entry['warmstart']} has not finished, so this run cannot start")
+    action, why = run_action(run_dir)
+    resumed_from = None
+    if action == "skip":
+        pass
+    elif action == "resume":
+        resumed_from = checkpoint_step(run_dir)
+        saved_threads = read_config(run_dir).get("threads", cfg.threads)  # a resume must not change the config
+        train(dataclasses.replace(cfg, resume=True, threads=saved_threads))
+    else:
+        if action == "restart":
+            shutil.rmtree(run_dir)
+        train(dataclasses.replace(cfg, threads=threads or cfg.threads))
+    manifest = read_manifest(run_dir)
+    return {"name": name, "action": action, "why": why, "status": manifest["status"],
+            "reason": manifest.get("reason"), "resumed_from": resumed_from}
+
+
+def _warmstart_job(data: Mapping, key: str, threads: int | None) -> dict[str, Any]:
+    from moe_rl.sft import sft
+
+    cfg = from_dict(SFTConfig, data["warmstarts"][key])
+    run_dir = Path(cfg.out_dir)
+    if warmstart_done(run_dir):
+        return {"name": key, "action": "skip", "status": "finished", "reason": None}
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # SFT has no resume: an interrupted warm start starts over
+    sft(dataclasses.replace(cfg, threads=threads or cfg.threads))
+    return {"name": key, "action": "start", "status": read_manifest(run_dir)["status"], "reason": None}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Local execution: a bounded pool of worker subprocesses
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
+              echo: Callable[[str], None] = print) -> pd.DataFrame:
+    """Run the sweep here: warm starts first, then the runs, `workers` at a time, each in its own subprocess with
+    max(1, cores // workers) torch threads. Returns the index."""
+    if workers < 1:
+        raise ConfigError(f"workers={workers} must be >= 1")
+    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(plan.sweep_dir / ".lock", blocking=False):
+        store_plan(plan)
+        if retry_diverged:
+            clear_diverged(plan)
+        keys, names = todo(plan)
+        threads = max(1, cpu_count() // workers)
+        _pool(plan.sweep_dir, [("warmstart", k) for k in keys], workers, threads, echo)
+        _pool(plan.sweep_dir, [("run", n) for n in names], workers, threads, echo)
+        return write_index(plan.sweep_dir)
+
+
+def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: int, echo) -> None:
+    if not jobs:
+        return
+    width = len(str(len(jobs)))
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = {pool.submit(_subprocess_job, sweep_dir, kind, name, threads): (kind, name) for kind, name in jobs}
+        for done, future in enumerate(as_completed(futures), start=1):
+            kind, name = futures[future]
+            seconds = future.result()
+            run_dir = sweep_dir / (WARMSTART if kind == "warmstart" else RUNS) / name
+            status, reason = job_status(sweep_dir, kind, name, run_dir)
+            label = f"warm start {name}" if kind == "warmstart" else name
+            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s)"
+                 + (f"  {reason}" if reason and status != "finished" else ""))
+    except BaseException:
+        # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> float:
+    """Run one job in a fresh interpreter (a crash cannot take the sweep down); returns its wall time."""
+    log_path = record_path(sweep_dir, kind, name, ".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The worker must import the same moe_rl as this process, whatever its working directory and install.
+    code_root = str(Path(__file__).resolve().parents[1])
+    python_path = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
+    command = [sys.executable, "-m", "moe_rl.jobs", str(sweep_dir), kind, name, "--threads", str(threads)]
+    start = time.perf_counter()
+    with open(log_path, "a") as log:
+        log.write(f"=== {utc_now()} {shlex.join(command)}\n")
+        log.flush()
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if returncode != 0 and read_record(sweep_dir, kind, name).get("state") != "ended":
+        # killed before it could note why (a signal, out of memory): the exit status and the log's last line
+        how = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+        update_record(sweep_dir, kind, name, state="ended", error=f"{how}: {_last_line(log_path)}")
+        write_index(sweep_dir)
+    return time.perf_counter() - start
+
+
+def _last_line(path: Path) -> str:
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _job_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_rl.jobs",
+                                     description="Run one job of a stored sweep (what `moe-rl sweep` workers run).")
+    parser.add_argument("sweep_dir")
+    parser.add_argument("kind", choices=("run", "warmstart"))
+    parser.add_argument("name")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        result = execute_job(args.sweep_dir, args.kind, args.name, args.threads)
+    except Exception as err:
+        traceback.print_exc()
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_job_main())

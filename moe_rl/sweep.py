@@ -1,0 +1,340 @@
+"""moe-rl sweep: run a named experiment (experiments/) as a sweep of runs, locally or on SLURM, resumably.
+
+    moe-rl sweep smoke                                          # the CI sweep: seconds on CPU
+    moe-rl sweep churn_repro --dry-run                          # the plan: runs, swept values, skip / resume
+    moe-rl sweep churn_repro --workers 2                        # 2 runs at a time, each in its own process
+    moe-rl sweep objective_comparison --arg seeds=5 --set optim.lr=3e-4 total_steps=100
+    moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --gpus-per-job 1 --time 240
+
+The sweep directory (default sweeps/<experiment>):
+
+    sweep.json          experiment, arguments, overrides, the swept values, a hash of the expanded run configs, and
+                        every run's resolved config (what the jobs run)
+    index.csv           one row per run: name, swept fields (dotted), status, reason, warmstart, attempts, run_dir
+    warmstart/<key>/    one SFT run per distinct model architecture and task; each run's init_from points at its own
+    runs/<name>/        one run directory each (DESIGN.md section 7)
+    jobs/               per job: <name>.json (attempts, last error) and <name>.log (its stdout and stderr)
+
+Re-running the same command skips finished and diverged runs, resumes interrupted or failed runs that saved a
+checkpoint (`resume=True`), and starts the others over. A diverged run is a result: it is only run again with
+--retry-diverged. A directory made by a different grid is refused. What it simplifies on purpose: one sweep process
+per directory, and a warm start is an SFT run that is restarted, not resumed, if it was interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import shlex
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tyro
+
+from moe_rl.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.errors import ConfigError
+from moe_rl.grid import Experiment, format_value, run_name
+from moe_rl.jobs import run_local
+from moe_rl.model import ModelConfig
+from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
+from moe_rl.overrides import coerce, get_field, parse_assignments, with_overrides
+from moe_rl.runlog import config_to_dict
+from moe_rl.sweepdir import (INDEX_CSV, RUNS, VOLATILE_FIELDS, WARMSTART, check_same_grid, planned_action, todo)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plan: an experiment expanded into named runs
+
+
+@dataclass
+class PlannedRun:
+    name: str
+    point: dict[str, Any]
+    """The grid's overrides for this run (typed values)."""
+    config: TrainConfig
+    warmstart: str | None
+    """Key of the warm start it starts from (a folder of <sweep>/warmstart), or None."""
+
+
+@dataclass
+class SweepPlan:
+    experiment: str
+    arguments: dict[str, Any]
+    overrides: dict[str, Any]
+    sweep_dir: Path
+    runs: list[PlannedRun]
+    warmstarts: dict[str, SFTConfig]
+
+    def swept(self) -> dict[str, list]:
+        """Each swept field and its distinct values, in order of first appearance."""
+        values: dict[str, list] = {}
+        for run in self.runs:
+            for key, value in run.point.items():
+                if value not in values.setdefault(key, []):
+                    values[key].append(value)
+        if "seed" in values:
+            values["seed"] = values.pop("seed")  # last, as in run names
+        return values
+
+    def command(self) -> str:
+        """The `moe-rl sweep` command line that makes this plan again."""
+        args = [f"{k}={_cli_value(v)}" for k, v in self.arguments.items()]
+        sets = [f"{k}={_cli_value(v)}" for k, v in self.overrides.items()]
+        return shlex.join(["moe-rl", "sweep", self.experiment, *(["--arg", *args] if args else []),
+                           *(["--set", *sets] if sets else [])])
+
+    def to_json(self) -> dict[str, Any]:
+        runs = [{"name": r.name, "point": r.point, "warmstart": r.warmstart, "config": config_to_dict(r.config)}
+                for r in self.runs]
+        warmstarts = {key: config_to_dict(cfg) for key, cfg in self.warmstarts.items()}
+        return config_to_dict({
+            "experiment": self.experiment, "arguments": self.arguments, "overrides": self.overrides,
+            "command": self.command(), "grid": self.swept(), "n_runs": len(self.runs),
+            "hash": grid_hash(runs, warmstarts), "runs": runs, "warmstarts": warmstarts,
+        })
+
+
+def _cli_value(value: Any) -> str:
+    """A value as `--set` / `--arg` parse it back (moe_rl.overrides.coerce)."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(_cli_value, value))
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}:{_cli_value(v)}" for k, v in value.items())
+    return str(value)
+
+
+def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
+    """sha256 of the expanded configs, without the fields the sweep sets (paths) or that change no result (threads)."""
+    def stable(entry: dict) -> dict:
+        config = {k: v for k, v in entry["config"].items() if k not in VOLATILE_FIELDS}
+        config["init_from"] = f"warmstart:{entry['warmstart']}" if entry["warmstart"] else entry["config"]["init_from"]
+        return {"name": entry["name"], "config": config}
+
+    body = {"runs": [stable(r) for r in runs],
+            "warmstarts": {k: {f: v for f, v in c.items() if f not in VOLATILE_FIELDS} for k, c in warmstarts.items()}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def experiment_names() -> list[str]:
+    from experiments import EXPERIMENTS
+
+    return list(EXPERIMENTS)
+
+
+def get_experiment(name: str) -> Callable[..., Experiment]:
+    from experiments import EXPERIMENTS
+
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
+
+
+def experiment_arguments(fn: Callable, given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` checked against fn's keyword arguments and parsed by their annotations."""
+    params = inspect.signature(fn).parameters
+    hints = typing.get_type_hints(fn)
+    args = {}
+    for key, value in given.items():
+        if key not in params:
+            listed = ", ".join(f"{p.name}={p.default!r}" for p in params.values())
+            raise ConfigError(f"experiment {fn.__name__!r} has no argument {key!r}; its arguments: {listed or 'none'}")
+        args[key] = coerce(value, hints.get(key, Any), key)
+    return args
+
+
+def default_sweep_dir(experiment: str, arguments: Mapping[str, Any]) -> Path:
+    suffix = "".join(f",{k}={format_value(v)}" for k, v in arguments.items())
+    return Path("sweeps") / f"{experiment}{suffix}"
+
+
+def plan_sweep(experiment: str | Callable[..., Experiment], sweep_dir: str | os.PathLike | None = None,
+               arguments: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> SweepPlan:
+    """Expand an experiment (a name in experiments/ or the function itself) into named runs; runs nothing.
+
+    `arguments` go to the experiment function; `overrides` (dotted, as `--set`) change every run, and `sft.<field>`
+    changes the warm start. Strings are parsed by the field's type."""
+    fn = get_experiment(experiment) if isinstance(experiment, str) else experiment
+    args = experiment_arguments(fn, arguments or {})
+    spec = fn(**args)
+    if not isinstance(spec, Experiment):
+        raise TypeError(f"experiment {fn.__name__!r} returned {type(spec).__name__}, not an Experiment")
+    sweep_dir = Path(sweep_dir or default_sweep_dir(fn.__name__, args)).absolute()
+    base, warm, overrides = _apply_overrides(spec, dict(overrides or {}))
+    runs, warmstarts = [], {}
+    for point in spec.grid:
+        name = run_name(point, spec.labels)
+        cfg = with_overrides(base, point, what=f"experiment {fn.__name__!r}, run {name!r}: ")
+        cfg = dataclasses.replace(cfg, out_dir=str(sweep_dir / RUNS / name), resume=False)
+        key = None
+        if warm is not None:
+            key, sft_cfg = warmstart_for(warm, cfg, sweep_dir)
+            warmstarts[key] = sft_cfg
+            cfg = dataclasses.replace(cfg, init_from=str(Path(sft_cfg.out_dir) / CHECKPOINTS / LATEST))
+        runs.append(PlannedRun(name, point, cfg, key))
+    _check_distinct(runs)
+    return SweepPlan(fn.__name__, args, overrides, sweep_dir, runs, warmstarts)
+
+
+def _apply_overrides(spec: Experiment, overrides: dict[str, Any]):
+    """(base, warm start, typed overrides) after `--set`; a swept field or one the sweep sets itself is refused."""
+    swept = {key for point in spec.grid for key in point}
+    sft_sets = {k.removeprefix("sft."): v for k, v in overrides.items() if k.startswith("sft.")}
+    train_sets = {k: v for k, v in overrides.items() if not k.startswith("sft.")}
+    for key in train_sets:
+        if key in swept:
+            values = list(dict.fromkeys(format_value(p[key]) for p in spec.grid if key in p))
+            raise ConfigError(f"--set {key}: the experiment sweeps {key} over {', '.join(values)}; change the "
+                              "experiment's arguments (--arg) or write an experiment that sweeps other values")
+        if key in ("out_dir", "resume"):
+            raise ConfigError(f"--set {key}: the sweep sets {key} itself (runs live in <sweep_dir>/runs/<name>)")
+    base = with_overrides(spec.base, train_sets, what="--set ")
+    warm = spec.warmstart
+    if "init_from" in train_sets:
+        warm = None  # the runs start from the given checkpoint instead of a warm start
+    if sft_sets:
+        if warm is None:
+            raise ConfigError("--set sft.*: this sweep has no warm start to change")
+        warm = with_overrides(warm, sft_sets, what="--set sft.")
+    typed = {k: get_field(base, k) for k in train_sets} | {f"sft.{k}": get_field(warm, k) for k in sft_sets}
+    return base, warm, typed
+
+
+def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path) -> tuple[str, SFTConfig]:
+    """The warm start a run needs: the SFT config with the run's architecture, task and device, and its key."""
+    arch = {f.name: getattr(run_cfg.model, f.name) for f in dataclasses.fields(ModelConfig)
+            if f.name not in NON_ARCHITECTURE_FIELDS}
+    cfg = dataclasses.replace(sft_cfg, model=dataclasses.replace(sft_cfg.model, **arch), task=run_cfg.task,
+                              device=run_cfg.device)
+    stable = {k: v for k, v in config_to_dict(cfg).items() if k not in VOLATILE_FIELDS}
+    digest = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:8]
+    m = cfg.model
+    key = f"L{m.n_layers}-E{m.n_experts}-K{m.top_k}-D{m.d_model}-{digest}"
+    return key, dataclasses.replace(cfg, out_dir=str(sweep_dir / WARMSTART / key))
+
+
+def _check_distinct(runs: list[PlannedRun]) -> None:
+    seen: dict[str, PlannedRun] = {}
+    for run in runs:
+        if run.name in seen:
+            raise ConfigError(f"two grid points are both named {run.name!r}: {seen[run.name].point} and {run.point}; "
+                              "give the field a label (Experiment.labels) or make the values distinct")
+        seen[run.name] = run
+    configs: dict[str, str] = {}
+    for run in runs:
+        body = json.dumps({k: v for k, v in config_to_dict(run.config).items() if k != "out_dir"}, sort_keys=True)
+        if body in configs:
+            raise ConfigError(f"runs {configs[body]!r} and {run.name!r} have the same config; drop one of the points")
+        configs[body] = run.name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class SweepConfig:
+    """Run a named experiment as a sweep of runs (see the module docstring for the directory layout)."""
+
+    experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
+    """Name of an experiment in experiments/ (smoke, churn_repro, objective_comparison, ablations)."""
+    arg: tuple[str, ...] = ()
+    """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
+    set: tuple[str, ...] = ()
+    """Overrides for every run, dotted.field=value (optim.lr=3e-4 total_steps=10); sft.<field>=value: warm start.
+    A field the experiment sweeps cannot be overridden."""
+    sweep_dir: str | None = None
+    """The sweep directory; default sweeps/<experiment>[,<arg>=<value>...]."""
+    dry_run: bool = False
+    """Print the plan (runs, swept values, what would start, resume or be skipped) and run nothing."""
+    workers: int = 1
+    """local: runs at a time, each in its own process with max(1, cores // workers) torch threads."""
+    retry_diverged: bool = False
+    """Start diverged runs over (by default a diverged run is a result and is skipped)."""
+    executor: Literal["local", "slurm", "submitit-local"] = "local"
+    """local: worker subprocesses here. slurm: one SLURM job per run, as a job array (needs submitit).
+    submitit-local: the SLURM code path run on this machine through submitit's LocalExecutor."""
+    partition: str | None = None
+    """slurm: the partition."""
+    gpus_per_job: int = 1
+    """slurm: GPUs per job."""
+    cpus_per_job: int = 8
+    """slurm: CPUs per job (also the torch threads of the run)."""
+    mem_gb: int | None = None
+    """slurm: memory per job in GB; None = the partition's default."""
+    time: int = 240
+    """slurm: time limit per job, in minutes; a job that reaches it is requeued and resumes from its checkpoint."""
+    array_parallelism: int = 64
+    """slurm: jobs of the array running at once."""
+    slurm_param: tuple[str, ...] = ()
+    """slurm: further sbatch parameters, name=value (e.g. account=my-lab qos=high constraint=h100)."""
+    wait: bool = False
+    """slurm, submitit-local: wait until every job has ended, then print the summary."""
+
+
+def sweep_command(cfg: SweepConfig) -> None:
+    """`moe-rl sweep`: plan, print, then run locally or submit; exits 1 when a run of the sweep failed."""
+    if not cfg.experiment:
+        raise ConfigError(f"name an experiment: {', '.join(experiment_names())}")
+    plan = plan_sweep(cfg.experiment, cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"), parse_assignments(cfg.set))
+    print_plan(plan, check_same_grid(plan), cfg.retry_diverged)
+    if cfg.dry_run:
+        print("dry run: nothing was run or written")
+        return
+    if cfg.executor == "local":
+        try:
+            index = run_local(plan, cfg.workers, cfg.retry_diverged)
+        except KeyboardInterrupt:
+            print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
+    else:
+        try:
+            from moe_rl.slurm import make_executor, submit, wait_for
+        except ImportError as err:
+            raise ConfigError(f"--executor {cfg.executor} needs submitit: pip install 'moe-rl[cluster]' ({err})") \
+                from None
+
+        executor = make_executor(cfg, plan.sweep_dir)
+        jobs = submit(plan, executor, threads=cfg.cpus_per_job if cfg.executor == "slurm" else None,
+                      retry_diverged=cfg.retry_diverged)
+        if not cfg.wait:
+            print(f"submitted {len(jobs)} jobs; index.csv is updated as they end, and `{plan.command()} --dry-run` "
+                  "shows where each run stands")
+            return
+        index = wait_for(jobs, plan.sweep_dir)
+    counts = index["status"].value_counts().to_dict()
+    print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"  -> {plan.sweep_dir / INDEX_CSV}")
+    if counts.get("failed"):
+        raise SystemExit(1)
+
+
+def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False) -> None:
+    print(f"sweep {plan.experiment!r} -> {plan.sweep_dir} ({'continuing' if existing else 'new'})")
+    if plan.arguments:
+        print("  arguments: " + " ".join(f"{k}={v}" for k, v in plan.arguments.items()))
+    if plan.overrides:
+        print("  overrides: " + " ".join(f"{k}={v}" for k, v in plan.overrides.items()))
+    for key, values in plan.swept().items():
+        print(f"  swept {key}: {', '.join(format_value(v) for v in values)}")
+    keys, _ = todo(plan, retry_diverged)
+    if plan.warmstarts:
+        print(f"  warm starts ({len(plan.warmstarts)}):")
+        for key in plan.warmstarts:
+            print(f"    {'start' if key in keys else 'done':<8} {key}")
+    actions = [(run, *planned_action(run, retry_diverged)) for run in plan.runs]
+    tally = {a: sum(1 for _, b, _ in actions if b == a) for a in ("start", "resume", "restart", "skip")}
+    print(f"  runs ({len(plan.runs)}): " + ", ".join(f"{n} {a}" for a, n in tally.items() if n))
+    width = max(len(run.name) for run in plan.runs)
+    for run, action, why in actions:
+        print(f"    {action:<8} {run.name:<{width}}  {why}".rstrip())
+
+

@@ -1,0 +1,245 @@
+"""The sweep directory's state: sweep.json (one grid per directory), what to do with each run, job records, index.csv.
+
+    <sweep>/sweep.json            the stored plan: experiment, arguments, overrides, swept values, hash, run configs
+    <sweep>/index.csv             one row per run, rebuilt from the manifests and job records (`write_index`)
+    <sweep>/runs/<name>/          run directories; their manifest.json is the truth about each run
+    <sweep>/warmstart/<key>/      SFT runs
+    <sweep>/jobs/<name>.json      the job record: state (queued | running | ended), attempts, last error, job id
+    <sweep>/jobs/<name>.log       the local worker's stdout and stderr (warm starts under jobs/warmstart/)
+
+Readers and writers used by moe_rl.sweep (the command), moe_rl.jobs (workers) and moe_rl.slurm (submitit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from moe_rl.atomic import atomic_write_text
+from moe_rl.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.errors import ConfigError
+from moe_rl.provenance import utc_now
+from moe_rl.runlog import config_differences, read_manifest
+
+if TYPE_CHECKING:
+    from moe_rl.sweep import PlannedRun, SweepPlan
+
+SWEEP_JSON, INDEX_CSV = "sweep.json", "index.csv"
+RUNS, WARMSTART, JOBS = "runs", "warmstart", "jobs"
+# Fields the sweep sets itself (paths), or that change no result (threads): left out of the grid hash.
+VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sweep.json: one grid per directory
+
+
+def read_sweep(sweep_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(sweep_dir) / SWEEP_JSON
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {sweep_dir} is not a sweep directory")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def check_same_grid(plan: SweepPlan) -> bool:
+    """True when the directory already holds this grid, False when it is new; refuses a different grid."""
+    path = plan.sweep_dir / SWEEP_JSON
+    if not path.exists():
+        return False
+    stored, new = read_sweep(plan.sweep_dir), plan.to_json()
+    if stored["hash"] == new["hash"]:
+        return True
+    raise ConfigError(
+        f"{plan.sweep_dir} holds a different grid (experiment {stored['experiment']!r}, {stored['n_runs']} runs, "
+        f"hash {stored['hash'][:12]}); this one is {new['experiment']!r}, {new['n_runs']} runs, hash "
+        f"{new['hash'][:12]}.\n{grid_differences(stored, new)}\nTo continue the stored sweep, run its own command: "
+        f"{stored['command']}\nTo run this grid, choose another --sweep-dir, or delete {plan.sweep_dir} to start over."
+    )
+
+
+def grid_differences(stored: Mapping, new: Mapping, limit: int = 5) -> str:
+    old_runs = {r["name"]: r for r in stored["runs"]}
+    new_runs = {r["name"]: r for r in new["runs"]}
+    lines = []
+    for label, names in (("only in the stored grid", old_runs.keys() - new_runs.keys()),
+                         ("only in this grid", new_runs.keys() - old_runs.keys())):
+        if names:
+            shown = sorted(names)[:limit]
+            lines.append(f"  runs {label}: {', '.join(shown)}{' ...' if len(names) > limit else ''}")
+    changed: dict[str, set] = {}
+    for name in old_runs.keys() & new_runs.keys():
+        diff = config_differences(old_runs[name]["config"], new_runs[name]["config"])
+        for key, pair in diff.items():
+            if key.split(".")[0] not in VOLATILE_FIELDS:
+                changed.setdefault(key, set()).add(f"{pair[0]!r} -> {pair[1]!r}")
+    lines += [f"  {key}: {', '.join(sorted(pairs)[:3])}" for key, pairs in sorted(changed.items())[:limit]]
+    return "\n".join(lines) or "  (the warm starts differ)"
+
+
+def store_plan(plan: SweepPlan) -> None:
+    """Write sweep.json (after check_same_grid), keeping the creation time of an existing one."""
+    same = check_same_grid(plan)
+    data = plan.to_json()
+    data["created_at"] = read_sweep(plan.sweep_dir)["created_at"] if same else utc_now()
+    data["updated_at"] = utc_now()
+    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(plan.sweep_dir / SWEEP_JSON, json.dumps(data, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What to do with a run, and its status
+
+
+def manifest_or_none(run_dir: Path) -> dict | None:
+    try:
+        return read_manifest(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's latest checkpoint (memory-mapped, so no tensor is read), or None."""
+    path = run_dir / CHECKPOINTS / LATEST
+    if not path.is_file():
+        return None
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+
+
+def run_action(run_dir: Path) -> tuple[str, str]:
+    """(skip | start | resume | restart, why). Finished and diverged runs are results and are skipped; a run that
+    stopped with a checkpoint resumes from it; one that stopped without a checkpoint starts over cleanly."""
+    manifest = manifest_or_none(run_dir)
+    if manifest is None:
+        return ("restart", "no manifest: it died before starting") if run_dir.exists() else ("start", "")
+    status, reason = manifest["status"], manifest.get("reason")
+    if status in ("finished", "diverged"):
+        return "skip", status + (f": {reason}" if reason else "")
+    step = checkpoint_step(run_dir)
+    was = f"was {status}" + (f": {reason}" if reason else "")
+    if step is not None:
+        return "resume", f"from the checkpoint at step {step}; {was}"
+    return "restart", f"no checkpoint; {was}"
+
+
+def warmstart_done(run_dir: Path) -> bool:
+    manifest = manifest_or_none(run_dir)
+    return bool(manifest and manifest["status"] == "finished" and (run_dir / CHECKPOINTS / LATEST).is_file())
+
+
+def record_path(sweep_dir: Path, kind: str, name: str, suffix: str = ".json") -> Path:
+    folder = Path(sweep_dir) / JOBS / (WARMSTART if kind == "warmstart" else "")
+    return folder / f"{name}{suffix}"
+
+
+def read_record(sweep_dir: Path, kind: str, name: str) -> dict[str, Any]:
+    path = record_path(sweep_dir, kind, name)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def update_record(sweep_dir: Path, kind: str, name: str, **fields: Any) -> dict[str, Any]:
+    """The job record: state (queued | running | ended), attempts, error, job_id, updated_at."""
+    record = {**read_record(sweep_dir, kind, name), **fields, "updated_at": utc_now()}
+    path = record_path(sweep_dir, kind, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def job_status(sweep_dir: Path, kind: str, name: str, run_dir: Path) -> tuple[str, str]:
+    """(pending | queued | running | finished | diverged | failed, reason): the run's manifest, unless its process
+    died without updating it (then the job record says how it ended)."""
+    record = read_record(sweep_dir, kind, name)
+    died = record.get("state") == "ended" and record.get("error")
+    manifest = manifest_or_none(run_dir)
+    if manifest is not None and not (manifest["status"] == "running" and died):
+        return manifest["status"], manifest.get("reason") or ""
+    if died:
+        return "failed", record["error"]
+    return {"queued": "queued", "running": "running"}.get(record.get("state"), "pending"), ""
+
+
+def write_index(sweep_dir: str | os.PathLike) -> pd.DataFrame:
+    """Rebuild index.csv from sweep.json, the run manifests and the job records (under a lock: jobs call it too)."""
+    sweep_dir = Path(sweep_dir)
+    with file_lock(sweep_dir / ".index.lock"):
+        frame = _index_frame(sweep_dir, read_sweep(sweep_dir))
+        atomic_write_text(sweep_dir / INDEX_CSV, frame.to_csv(index=False))
+    return frame
+
+
+def _index_frame(sweep_dir: Path, data: Mapping) -> pd.DataFrame:
+    swept = list(data["grid"])
+    rows = []
+    for run in data["runs"]:
+        run_dir = Path(run["config"]["out_dir"])
+        status, reason = job_status(sweep_dir, "run", run["name"], run_dir)
+        if status == "pending" and run["warmstart"]:
+            ws_status, ws_reason = job_status(sweep_dir, "warmstart", run["warmstart"],
+                                              sweep_dir / WARMSTART / run["warmstart"])
+            if ws_status == "failed":
+                status, reason = "failed", f"warm start {run['warmstart']} failed: {ws_reason}"
+        rows.append({"name": run["name"], **{k: run["point"].get(k) for k in swept}, "status": status,
+                     "reason": reason, "warmstart": run["warmstart"] or "",
+                     "attempts": read_record(sweep_dir, "run", run["name"]).get("attempts", 0),
+                     "run_dir": os.path.relpath(run_dir, sweep_dir)})
+    return pd.DataFrame(rows, columns=["name", *swept, "status", "reason", "warmstart", "attempts", "run_dir"])
+
+
+def read_index(sweep_dir: str | os.PathLike) -> pd.DataFrame:
+    return pd.read_csv(Path(sweep_dir) / INDEX_CSV, keep_default_na=False)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, blocking: bool = True) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise ConfigError(f"another `moe-rl sweep` is driving {path.parent} (it holds {path.name}); wait for it "
+                              "to end, or stop it first") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What this invocation runs
+
+
+def todo(plan: SweepPlan, retry_diverged: bool = False) -> tuple[list[str], list[str]]:
+    """(warm starts to run, runs to run), in plan order: the runs not skipped and the warm starts they still need."""
+    runs = [r for r in plan.runs if planned_action(r, retry_diverged)[0] != "skip"]
+    keys = list(dict.fromkeys(r.warmstart for r in runs if r.warmstart))
+    keys = [k for k in keys if not warmstart_done(Path(plan.warmstarts[k].out_dir))]
+    return keys, [r.name for r in runs]
+
+
+def planned_action(run: PlannedRun, retry_diverged: bool = False) -> tuple[str, str]:
+    """What this invocation does with a planned run: run_action, except that --retry-diverged restarts diverged
+    runs."""
+    action, why = run_action(Path(run.config.out_dir))
+    if retry_diverged and why.startswith("diverged"):
+        return "restart", f"--retry-diverged; was {why}"
+    return action, why
+
+
+def clear_diverged(plan: SweepPlan) -> None:
+    """--retry-diverged: remove the diverged runs, so that they start over."""
+    for run in plan.runs:
+        if run_action(Path(run.config.out_dir))[1].startswith("diverged"):
+            shutil.rmtree(run.config.out_dir)

@@ -1,0 +1,107 @@
+"""Named experiments: each expands to valid configs at both scales, with the grid, names and warm starts it promises."""
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import EXPERIMENTS
+from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.overrides import from_dict
+from moe_rl.sweep import plan_sweep
+
+ARCHITECTURE = ("n_layers", "n_experts", "top_k", "d_model", "d_expert", "n_heads")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_every_experiment_expands_to_valid_configs(tmp_path, name, scale):
+    plan = plan_sweep(name, tmp_path / name, {"scale": scale})
+    assert len(plan.runs) >= 2
+    assert len({run.name for run in plan.runs}) == len(plan.runs)
+    for run in plan.runs:
+        assert isinstance(run.config, TrainConfig)
+        assert run.config.device == ("cpu" if scale == "cpu" else "cuda")
+        assert Path(run.config.out_dir) == plan.sweep_dir / "runs" / run.name
+        warm = plan.warmstarts[run.warmstart]
+        assert isinstance(warm, SFTConfig)
+        assert run.config.init_from == str(Path(warm.out_dir) / "checkpoints" / "latest.pt")
+        for field in ARCHITECTURE:  # every run loads a warm start of its own architecture
+            assert getattr(warm.model, field) == getattr(run.config.model, field), (run.name, field)
+        assert warm.task == run.config.task
+    # sweep.json carries configs that rebuild exactly (what a SLURM job or a worker process runs)
+    data = plan.to_json()
+    assert from_dict(TrainConfig, data["runs"][-1]["config"]) == plan.runs[-1].config
+    assert from_dict(SFTConfig, next(iter(data["warmstarts"].values()))) == next(iter(plan.warmstarts.values()))
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_every_experiment_documents_its_question_time_and_gpu_variant(name):
+    fn = EXPERIMENTS[name]
+    doc = sys.modules[fn.__module__].__doc__
+    assert fn.__doc__ and doc
+    assert "CPU" in doc and ("min" in doc or " s " in doc), "state the expected CPU time"
+    assert 'scale="gpu"' in doc
+    assert "scale" in inspect.signature(fn).parameters
+
+
+def test_objective_comparison_grid():
+    plan = plan_sweep("objective_comparison", "/tmp/unused")
+    names = [run.name for run in plan.runs]
+    assert len(names) == 5 * 3
+    assert names[:4] == ["obj=grpo,mode=native,seed=0", "obj=grpo,mode=native,seed=1",
+                         "obj=grpo,mode=native,seed=2", "obj=grpo,mode=R2,seed=0"]
+    methods = {(r.config.objective.name, r.config.routing_mode) for r in plan.runs}
+    assert methods == {("grpo", "native"), ("grpo", "R2"), ("grpo", "R3"), ("gspo", "native"), ("gspo", "R2")}
+    assert all(r.config.minibatches == 4 for r in plan.runs)  # the off-policy setting
+    assert len(plan.warmstarts) == 1  # one model: every method starts from the same warm start
+
+    wide = plan_sweep("objective_comparison", "/tmp/unused", {"all_objectives": "true", "seeds": "2"})
+    assert len(wide.runs) == 10 * 2
+    assert {r.config.objective.name for r in wide.runs} == {
+        "grpo", "gspo", "cispo", "gmpo", "dapo", "dr_grpo", "gspo_token"}
+
+
+def test_churn_repro_grid_spans_lr_depth_and_experts_with_one_warm_start_per_architecture():
+    plan = plan_sweep("churn_repro", "/tmp/unused")
+    swept = plan.swept()
+    assert swept["optim.lr"] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
+    assert swept["model.n_layers"] == [2, 4, 8]
+    assert len(plan.runs) == 5 * 3 * 2
+    assert all(r.config.total_steps == 25 and r.config.objective.name == "grpo" for r in plan.runs)
+    assert all("update" in r.config.probes.enabled for r in plan.runs)  # the churn probe
+    architectures = {(r.config.model.n_layers, r.config.model.n_experts, r.config.model.top_k) for r in plan.runs}
+    assert len(architectures) == len(plan.warmstarts) == 6
+    by_arch = {}
+    for run in plan.runs:
+        key = (run.config.model.n_layers, run.config.model.n_experts, run.config.model.top_k)
+        assert by_arch.setdefault(key, run.warmstart) == run.warmstart  # learning rates share a warm start
+
+    sliced = plan_sweep("churn_repro", "/tmp/unused", {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4"})
+    assert [r.name for r in sliced.runs] == ["lr=1e-4,layers=4,experts=16,topk=4,seed=0",
+                                             "lr=3e-4,layers=4,experts=16,topk=4,seed=0"]
+
+
+def test_ablations_change_one_knob_at_a_time():
+    plan = plan_sweep("ablations", "/tmp/unused")
+    base = next(r for r in plan.runs if r.name == "base,seed=0").config
+    assert len(plan.runs) == 14
+    for run in plan.runs:
+        assert len(run.point) - ("seed" in run.point) <= 2  # one knob (a clip range sets low and high together)
+    clips = [r.config.objective for r in plan.runs if "objective.clip_high" in r.point]
+    assert [(c.clip_low, c.clip_high) for c in clips] == [(0.1, 0.135), (0.4, 0.54)]  # GRPO's 0.2 / 0.27 x 0.5, 2
+    assert {r.config.minibatches for r in plan.runs} == {1, 2, 4, 8} and base.minibatches == 4
+    assert len(plan.warmstarts) == 7  # base + experts x2 + top-k x2 + depth x2
+    assert base.optim.lr == 1e-4 and {"lr=3e-5,seed=0", "lr=3e-4,seed=0"} <= {r.name for r in plan.runs}
+
+    gspo = plan_sweep("ablations", "/tmp/unused", {"objective": "gspo"})
+    gspo_clips = [r.config.objective.clip_low for r in gspo.runs if "objective.clip_low" in r.point]
+    assert gspo_clips == pytest.approx([1.5e-4, 6e-4])
+
+
+def test_smoke_is_tiny():
+    plan = plan_sweep("smoke", "/tmp/unused")
+    assert 2 <= len(plan.runs) <= 4
+    assert all(r.config.total_steps <= 2 and r.config.model.n_layers <= 2 for r in plan.runs)
+    assert all(w.steps <= 20 for w in plan.warmstarts.values())
