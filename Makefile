@@ -1,6 +1,6 @@
 # Two commands do all of their own set-up on a fresh machine:
 #   make test        create .venv, install, run the test suite
-#   make reproduce   create .venv, install, run the CPU expert-churn reproduction (writes results/)
+#   make reproduce   create .venv, install, run the CPU expert-churn reproduction (writes results/churn_repro)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +10,10 @@ TORCH  := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install test reproduce bench clean
+# Parallel sweep workers; each gets max(1, cores // workers) torch threads.
+WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: install test reproduce reproduce-all bench clean
 
 install: $(VENV)/.installed
 
@@ -24,11 +27,21 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q
 
+# The CPU expert-churn reproduction (about 10 min on 2 cores): the churn_repro sweep, then its report into
+# results/churn_repro. Re-running skips finished runs and resumes interrupted ones.
 reproduce: install
-	$(BIN)/python -m benchmarks.bench_model
+	$(BIN)/moe-rl sweep churn_repro --workers $(WORKERS)
+	$(BIN)/moe-rl report sweeps/churn_repro --out results/churn_repro
 
+# Both committed studies: the churn reproduction and the objective comparison (about 20 min on 2 cores).
+reproduce-all: reproduce
+	$(BIN)/moe-rl sweep objective_comparison --workers $(WORKERS)
+	$(BIN)/moe-rl report sweeps/objective_comparison --out results/objective_comparison
+
+# Speed and overhead benchmarks (scripts, not tests); they write results/bench/.
 bench: install
 	$(BIN)/python -m benchmarks.bench_model
+	$(BIN)/python -m benchmarks.bench_probes
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -210,9 +210,9 @@ def churn_vs_lr_depth(data: RunSet) -> pd.DataFrame:
     """Update churn and per-update policy change by group, learning rate and depth: each run's mean over its
     optimizer steps, then mean and 95% CI over runs.
 
-    Columns: group, optim.lr, model.n_layers, n_runs, churn_mean, churn_ci_low, churn_ci_high,
-    update_kl_mean, log_ratio_abs_mean."""
-    keys = ["group", "optim.lr", "model.n_layers"]
+    Columns: group, optim.lr, model.n_layers, model.n_experts, model.top_k, n_runs, churn_mean, churn_ci_low,
+    churn_ci_high, update_kl_mean, log_ratio_abs_mean; sorted by the numeric columns."""
+    keys = ["group", "optim.lr", "model.n_layers", "model.n_experts", "model.top_k"]
     present = [m for m in CHURN_VS_CHANGE if m in data.metrics.columns]
     per_run = data.with_config(data.metrics, keys[1:]).groupby([*keys, "run"])[present].mean().reset_index()
     rows = []
@@ -224,4 +224,4 @@ def churn_vs_lr_depth(data: RunSet) -> pd.DataFrame:
         for metric, name in (("update/kl", "update_kl_mean"), ("update/log_ratio_abs_mean", "log_ratio_abs_mean")):
             row[name] = runs[metric].mean() if metric in runs else float("nan")
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).sort_values(keys[1:] + ["group"], ignore_index=True)

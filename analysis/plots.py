@@ -20,11 +20,12 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter, PercentFormatter
+from matplotlib.ticker import MaxNLocator, NullFormatter
 
 from analysis.aggregate import layer_churn, mean_ci
+from analysis.churn_figures import fig_churn_layer_profile, fig_churn_scaling
 from analysis.load import RunSet
-from analysis.style import MARKERS, SEQUENTIAL_CMAP, Look, group_looks, in_paper_style, new_figure
+from analysis.style import MARKERS, SEQUENTIAL_CMAP, Look, group_looks, in_paper_style, new_figure, percent_formatter
 
 Looks = dict[str, Look]
 
@@ -44,7 +45,7 @@ LABELS = {
 }
 PERCENT = {"routing/update/churn", "routing/update/token_any", "routing/staleness/churn", "routing/rollout/churn",
            "clip_ratio/region_mean", "ratio/extreme_frac"}
-X_LABELS = {"update": "optimizer step", "step": "rollout step", "minibatch": "minibatch j within the rollout step",
+X_LABELS = {"update": "optimizer step", "step": "rollout step", "minibatch": "minibatch j of the rollout step",
             "layer": "MoE layer (0 = nearest the input)"}
 
 
@@ -77,12 +78,12 @@ def _label(ax: Axes, x: str, metric: str, values=()) -> None:
     if ax.get_yscale() == "linear" and len(values) and values.min() >= 0:
         ax.set_ylim(bottom=0)
     if x in ("update", "step", "minibatch", "layer"):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # At most ~5 integer ticks: the narrow panels of the stability figure have no room for more labels.
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
 
 
 def _percent_axis(axis) -> None:
-    # decimals=None: as many decimals as the tick spacing needs, so a log axis shows 0.01% rather than 0.0%.
-    axis.set_major_formatter(PercentFormatter(1.0, decimals=None))
+    axis.set_major_formatter(percent_formatter())
     axis.set_minor_formatter(NullFormatter())  # log axes: decade labels only, no crowded 2x, 3x, ... labels
 
 
@@ -147,6 +148,9 @@ def _legend(fig: Figure, data: RunSet, looks: Looks) -> None:
     # As many columns as fit the figure's width (about 0.06 inch per character at 7 pt, plus the handle).
     entry_width = 0.06 * max(len(h.get_label()) for h in handles) + 0.5
     ncols = max(1, min(len(handles), int(fig.get_figwidth() // entry_width)))
+    rows = -(-len(handles) // ncols)
+    if rows > 2:  # make room below the panels instead of squeezing them (a sweep can have dozens of groups)
+        fig.set_figheight(fig.get_figheight() + 0.16 * rows)
     fig.legend(handles=handles, loc="outside lower center", ncols=ncols)
 
 
@@ -191,7 +195,7 @@ def fig_layer_heatmap(data: RunSet, looks: Looks) -> Figure:
     for ax in list(axes.flat)[len(data.groups):]:
         ax.set_axis_off()
     if mesh is not None:
-        fig.colorbar(mesh, ax=axes, label="update churn (% of active experts)", format=PercentFormatter(1.0))
+        fig.colorbar(mesh, ax=axes, label="update churn (% of active experts)", format=percent_formatter())
     return fig
 
 
@@ -290,7 +294,12 @@ def fig_comparison(data: RunSet, looks: Looks) -> Figure:
 
 
 # name -> (function, what the figure shows); the report writes them in this order.
-FIGURES: dict[str, tuple[Callable[[RunSet, Looks], Figure], str]] = {
+# A function may return None when the runs do not have what it draws (the churn-scaling figures need an lr sweep).
+FIGURES: dict[str, tuple[Callable[[RunSet, Looks], Figure | None], str]] = {
+    "churn_scaling": (fig_churn_scaling, "update churn against learning rate, one line per depth, one panel per "
+                                         "(experts, top-k), with the GSPO paper's ~10% (learning-rate sweeps only)"),
+    "churn_layer_profile": (fig_churn_layer_profile, "update churn per MoE layer, one line per learning rate, one "
+                                                     "panel per (experts, top-k) and depth (learning-rate sweeps only)"),
     "update_churn": (fig_update_churn, "update churn and the fraction of tokens whose path changed in any layer, "
                                        "per optimizer step"),
     "layer_churn_heatmap": (fig_layer_heatmap, "update churn per MoE layer and rollout step, one panel per group"),

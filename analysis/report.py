@@ -99,11 +99,14 @@ def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFr
 
 
 def write_figures(data: RunSet, folder: Path) -> list[str]:
-    looks = looks_for(data)
+    """Every figure of FIGURES that applies to these runs; returns the names written."""
+    looks, written = looks_for(data), []
     for name, (make, _) in FIGURES.items():
         fig = make(data, looks)
-        save(fig, folder, name, FORMATS)
-    return list(FIGURES)
+        if fig is not None:
+            save(fig, folder, name, FORMATS)
+            written.append(name)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------------------------------

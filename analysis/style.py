@@ -14,6 +14,7 @@ touched, and PNG/PDF are rendered by the Agg and PDF canvases.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"]
 ROUTING_LINESTYLES = {"native": "-", "R2": "--", "R3": ":"}
@@ -65,6 +67,20 @@ def group_looks(groups: Sequence[str], routing_modes: Sequence[str | None] | Non
         looks[group] = Look(OKABE_ITO[slot % len(OKABE_ITO)], ROUTING_LINESTYLES.get(mode, "-"),
                             MARKERS[(slot // len(OKABE_ITO)) % len(MARKERS)])
     return looks
+
+
+def percent_formatter() -> FuncFormatter:
+    """Tick labels for fractions as percentages with as many decimals as the value needs (0.01%, 0.5%, 10%), so
+    the decades of a log axis stay distinguishable."""
+
+    def label(value: float, _position) -> str:
+        if value <= 0 or not math.isfinite(value):
+            return "0%"
+        percent = 100 * value
+        decimals = max(0, -math.floor(math.log10(percent) + 1e-9))
+        return f"{percent:.{decimals}f}%"
+
+    return FuncFormatter(label)
 
 
 @contextmanager

@@ -224,3 +224,14 @@ def test_report_help_and_bad_input(tmp_path):
     assert empty.returncode == 2
     assert "no RL runs under" in empty.stderr and "Traceback" not in empty.stderr
     assert len(empty.stderr.strip().splitlines()) == 1
+
+
+def test_churn_scaling_figures_only_for_learning_rate_sweeps(sweep, runs_root):
+    from analysis.churn_figures import fig_churn_layer_profile, fig_churn_scaling, run_churn
+
+    assert fig_churn_scaling(sweep) is None and fig_churn_layer_profile(sweep) is None  # one lr: nothing to draw
+    scan = load_runs(runs_root / "scan")
+    assert fig_churn_scaling(scan) is not None and fig_churn_layer_profile(scan) is not None
+    per_run = run_churn(scan).set_index("run")
+    direct = scan.metrics.groupby("run")["routing/update/churn"].mean()
+    pd.testing.assert_series_equal(per_run["routing/update/churn"], direct, check_names=False)
