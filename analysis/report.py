@@ -139,7 +139,7 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
     varying = [k for k in data.varying() if k != "out_dir"]
     runs = data.runs[["run", "group", "seed", "status", "last_step", "reason", *varying]]
     shas = sorted({sha for sha in data.runs["git_sha"] if sha})
-    code = git_state(Path(__file__).parent)
+    code = git_state(Path(__file__).parent, ignore=("results",))  # the report's own output is not code
     code_version = f"{code['sha']}{' (uncommitted changes)' if code['dirty'] else ''}" if code["sha"] else "unknown"
     finals = finals.assign(ci=[f"[{lo:.4g}, {hi:.4g}]" if pd.notna(lo) else "" for lo, hi in
                                zip(finals["ci_low"], finals["ci_high"])])

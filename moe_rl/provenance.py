@@ -31,15 +31,17 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def git_state(folder: str | os.PathLike) -> dict[str, Any]:
+def git_state(folder: str | os.PathLike, ignore: Iterable[str] = ()) -> dict[str, Any]:
     """{"sha", "dirty"} of the git checkout holding `folder`; both None outside git or where git is missing.
 
-    Untracked files count as dirty: a new module that was never committed can change what ran.
+    Untracked files count as dirty: a new module that was never committed can change what ran. `ignore` names
+    top-level paths whose changes do not count (a report's own output folder, say).
     """
     sha = _git(folder, "rev-parse", "HEAD")
     if sha is None:
         return {"sha": None, "dirty": None}
-    status = _git(folder, "status", "--porcelain")
+    pathspec = ["--", ":/", *(f":(top,exclude){path}" for path in ignore)] if ignore else []
+    status = _git(folder, "status", "--porcelain", *pathspec)
     return {"sha": sha, "dirty": None if status is None else bool(status)}
 
 
