@@ -3,6 +3,7 @@ every field).
 
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
+    moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config, flags override its fields
     moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
@@ -80,12 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     config_class, run = COMMANDS[name].load()
     module_doc = sys.modules[run.__module__].__doc__
     try:
-        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc)
+        rest, defaults = _config_file(config_class, rest)
+        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc, default=defaults)
         run(cfg)
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _config_file(config_class, args: list[str]):
+    """`--config-file PATH` (train and sft): start from a config saved as JSON, e.g. a run's config.json or one
+    written from an experiment; the other flags override its fields. Returns (the other args, the defaults)."""
+    if "--config-file" not in args:
+        return args, None
+    at = args.index("--config-file")
+    if at + 1 >= len(args):
+        raise ConfigError("--config-file needs a path to a JSON config (e.g. runs/<name>/config.json)")
+    import json
+
+    from moe_rl.overrides import from_dict
+
+    path = args[at + 1]
+    with open(path, encoding="utf-8") as file:
+        defaults = from_dict(config_class, json.load(file))
+    return args[:at] + args[at + 2 :], defaults
 
 
 if __name__ == "__main__":

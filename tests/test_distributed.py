@@ -285,3 +285,21 @@ def test_prompts_per_step_must_split_evenly_over_the_ranks(tmp_path):
         cfg.check_data_parallel(3)
     with pytest.raises(ConfigError, match="minibatches=8 must divide each rank's rollout rows"):
         cfg.check_data_parallel(4)  # 4 rows per rank
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_smoke_experiment_from_its_config_file(tmp_path):
+    """The smoke experiment's first run, saved as JSON, launched on two gloo ranks through --config-file."""
+    from experiments.smoke import smoke
+    from moe_rl.overrides import with_overrides
+    from moe_rl.runlog import config_to_dict
+
+    experiment = smoke()
+    cfg = with_overrides(experiment.base, experiment.grid[0])
+    (tmp_path / "smoke.json").write_text(json.dumps(config_to_dict(cfg)))
+    out = _torchrun("-m", "moe_rl.cli", "train", "--config-file", "smoke.json", "--out-dir", "run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-8000:]
+    assert read_manifest(tmp_path / "run")["status"] == "finished"
+    lines = metric_lines(tmp_path / "run")
+    assert len(lines) == cfg.total_steps * cfg.minibatches
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["objective"]["name"] == cfg.objective.name

@@ -193,3 +193,17 @@ def test_cli_sft_then_train_end_to_end(tmp_path):
     assert read_manifest(tmp_path / "rl")["status"] == "finished"
     assert len(metric_lines(tmp_path / "rl")) == 2 * 4
     assert (tmp_path / "rl" / "checkpoints" / "latest.pt").exists()
+
+
+def test_cli_config_file_is_the_default_and_flags_override_it(tmp_path):
+    from moe_rl.runlog import config_to_dict
+
+    saved = tiny_train_config("ignored", routing_mode="R2", total_steps=5, kl_coef=0.1)
+    (tmp_path / "cfg.json").write_text(json.dumps(config_to_dict(saved)))
+    out = _moe_rl("train", "--config-file", "cfg.json", "--out-dir", "run", "--total-steps", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    ran = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (ran["routing_mode"], ran["kl_coef"], ran["total_steps"]) == ("R2", 0.1, 1)
+    assert ran["model"]["d_model"] == saved.model.d_model
+    missing = _moe_rl("train", "--config-file", cwd=tmp_path)
+    assert missing.returncode == 2 and "--config-file needs a path" in missing.stderr
