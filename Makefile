@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q
 
-# The CPU expert-churn reproduction (about 6 min on 2 cores from a fresh clone): the churn_repro sweep, then its report into
+# The CPU expert-churn reproduction (about 6 min on 2 cores, after the install): the churn_repro sweep, then its report into
 # results/churn_repro. Re-running skips finished runs and resumes interrupted ones.
 reproduce: install
 	$(BIN)/moe-rl sweep churn_repro --workers $(WORKERS)
