@@ -27,6 +27,7 @@ import torch
 
 from moe_rl.errors import ConfigError, check_choice
 from moe_rl.masked import masked_mean
+from moe_rl.policy import policy_forward
 from moe_rl.routing import RoutingTrace, churn_stats
 
 PROBE_NAMES = ("update", "staleness", "replay", "rollout", "noise")
@@ -149,8 +150,6 @@ class Prober:
     @torch.no_grad()
     def native(self, model, update: int, with_entropy: bool = False):
         """Native routing and log-probs of the probe rows under the current parameters."""
-        from moe_rl.policy import policy_forward  # policy imports rollout; keep probes importable on its own
-
         outs = [policy_forward(model, self.batch.rows(chunk), self.temperature, record=True,
                                with_entropy=with_entropy) for chunk in self.chunks]
         routing = NativeRouting(RoutingTrace.cat([o.trace for o in outs]), torch.cat([o.logp_BN for o in outs]),

@@ -260,3 +260,15 @@ def to_rollout_batch(gen: Generation, rewards_B: torch.Tensor, advantages_B: tor
         prompts=prompts,
         completions=completions,
     )
+
+
+@torch.no_grad()
+def sampled_reward(model, task, tokenizer, sampling, n_prompts: int, seed: int, split: str = "eval") -> float:
+    """Mean reward of one sampled completion per prompt of `split` (fixed generator)."""
+    problems = task.problems(split, 0, n_prompts)
+    ids, valid = encode_prompts([p.prompt for p in problems], tokenizer, next(model.parameters()).device)
+    model.eval()
+    gen = generate(model, ids, valid, sampling, tokenizer.eos_id, tokenizer.pad_id,
+                   torch.Generator().manual_seed(seed))
+    texts = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
+    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)

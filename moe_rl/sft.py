@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from moe_rl.checkpoint import save_checkpoint
 from moe_rl.config import SFTConfig
 from moe_rl.model.layers import autocast_context
-from moe_rl.rollout import encode_prompts, generate
+from moe_rl.rollout import sampled_reward
 from moe_rl.runlog import RunDir
 from moe_rl.tasks import build_task, build_tokenizer
 from moe_rl.train import build_model, resolve_device
@@ -53,18 +53,6 @@ def cosine_with_warmup(warmup: int, total: int, floor: float = 0.1):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-@torch.no_grad()
-def sampled_reward(model, task, tokenizer, sampling, n_prompts: int, seed: int, split: str = "eval") -> float:
-    """Mean reward of one sampled completion per prompt of `split` (fixed generator)."""
-    problems = task.problems(split, 0, n_prompts)
-    ids, valid = encode_prompts([p.prompt for p in problems], tokenizer, next(model.parameters()).device)
-    model.eval()
-    gen = generate(model, ids, valid, sampling, tokenizer.eos_id, tokenizer.pad_id,
-                   torch.Generator().manual_seed(seed))
-    texts = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
-    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
 
 
 def sft_step(model, optimizer, scheduler, batch, grad_clip: float) -> dict:

@@ -54,7 +54,7 @@ from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
-from moe_rl.rollout import RolloutBatch, generate_groups, to_rollout_batch
+from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
 from moe_rl.runlog import RunDir, write_table
 from moe_rl.signals import entropy_from_logits, ratio_signals
@@ -431,19 +431,10 @@ class Trainer:
                 for i in range(min(keep, batch.size))]
         write_table(self.out_dir, "samples", self.step, rows)
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean reward of one sampled completion per held-out prompt (fixed generator: comparable over steps)."""
-        from moe_rl.rollout import encode_prompts, generate
-
-        problems = self.task.problems("eval", 0, self.cfg.log.eval_prompts)
-        ids, valid = encode_prompts([p.prompt for p in problems], self.tokenizer, self.device)
-        self.model.eval()
-        gen = generate(self.model, ids, valid, self.cfg.rollout.sampling, self.tokenizer.eos_id,
-                       self.tokenizer.pad_id, torch.Generator().manual_seed(self.cfg.seed))
-        texts = [self.tokenizer.decode(row) for row in gen.response_BN.tolist()]
-        rewards = [self.task.reward(p, t) for p, t in zip(problems, texts)]
-        return {"eval/reward": sum(rewards) / len(rewards)}
+        return {"eval/reward": sampled_reward(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
+                                              self.cfg.log.eval_prompts, self.cfg.seed)}
 
 
 def k3(ref_logp_BN, logp_BN, mask_BN) -> torch.Tensor:
