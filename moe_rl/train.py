@@ -34,6 +34,7 @@ ours, and the reference model for the optional KL is the initial policy.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 from contextlib import nullcontext
@@ -474,14 +475,21 @@ def train(cfg: TrainConfig) -> Path:
     torch.set_num_threads(cfg.threads)
     with distributed.process_group(resolve_device(cfg.device)) as device:
         cfg.check_data_parallel(distributed.world_size())
-        run = open_run(cfg, device)
-        with run if run is not None else nullcontext():
-            trainer = Trainer(cfg, device)
-            if cfg.resume:
-                trainer.restore()
-            with open_metrics(run, trainer) as metrics:
-                _loop(trainer, metrics.write, run)
+        _train_on_this_rank(cfg, device)
+        # The trainer (and its DDP wrapper, which holds the process group) is gone before the group is destroyed;
+        # tearing the group down under a live DDP reducer could abort the process at exit.
+        gc.collect()
     return Path(cfg.out_dir)
+
+
+def _train_on_this_rank(cfg: TrainConfig, device: torch.device) -> None:
+    run = open_run(cfg, device)
+    with run if run is not None else nullcontext():
+        trainer = Trainer(cfg, device)
+        if cfg.resume:
+            trainer.restore()
+        with open_metrics(run, trainer) as metrics:
+            _loop(trainer, metrics.write, run)
 
 
 def open_run(cfg: TrainConfig, device: torch.device) -> RunDir | None:

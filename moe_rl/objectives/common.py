@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.masked import as_bool_mask, masked_log_ratio, masked_max, masked_mean, masked_min, nonempty_sequences
+from moe_rl.objectives.config import resolve_clip
 
 
 def prepare(
@@ -74,6 +75,17 @@ def ppo_clipped_term(
         low = (ratio < 1 - eps_lo) & (adv < 0)
         high = (ratio > 1 + eps_hi) & (adv > 0)
     return term, low, high
+
+
+def token_clipped_terms(logp_BT, old_logp_BT, advantages, mask_BT, cfg, default_clip):
+    """The PPO-clipped token term that grpo, dr_grpo and dapo share; they differ only in how they aggregate it.
+
+    Returns (term_BT, mask_BT, metrics): metrics holds the token ratio and clip fractions."""
+    eps_lo, eps_hi = resolve_clip(cfg, default_clip)
+    mask_BT, log_w_BT, adv_BT = prepare(logp_BT, old_logp_BT, advantages, mask_BT)
+    w_BT = log_w_BT.exp()
+    term_BT, low_BT, high_BT = ppo_clipped_term(w_BT, adv_BT, eps_lo, eps_hi)
+    return term_BT, mask_BT, {**ratio_metrics(w_BT, mask_BT), **clip_metrics(low_BT, high_BT, mask_BT)}
 
 
 def mean_over_sequences(term_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

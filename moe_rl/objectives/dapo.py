@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from moe_rl.masked import masked_mean
-from moe_rl.objectives.common import clip_metrics, finish, ppo_clipped_term, prepare, ratio_metrics
-from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.common import finish, token_clipped_terms
+from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (0.2, 0.28)
@@ -28,9 +28,6 @@ def dapo(
     cfg: ObjectiveConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO (arXiv 2503.14476 eq. 8): GRPO term with clip-higher, token mean over the batch."""
-    eps_lo, eps_hi = resolve_clip(cfg, DEFAULT_CLIP)
-    mask_BT, log_w_BT, adv_BT = prepare(logp_BT, old_logp_BT, advantages, mask_BT)
-    w_BT = log_w_BT.exp()
-    term_BT, low_BT, high_BT = ppo_clipped_term(w_BT, adv_BT, eps_lo, eps_hi)
+    term_BT, mask_BT, metrics = token_clipped_terms(logp_BT, old_logp_BT, advantages, mask_BT, cfg, DEFAULT_CLIP)
     loss = masked_mean(term_BT, mask_BT)
-    return finish(loss, ratio_metrics(w_BT, mask_BT), clip_metrics(low_BT, high_BT, mask_BT))
+    return finish(loss, metrics)

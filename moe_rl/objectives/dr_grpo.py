@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from moe_rl.masked import masked_sum, sequence_lengths
-from moe_rl.objectives.common import clip_metrics, finish, ppo_clipped_term, prepare, ratio_metrics
-from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.common import finish, token_clipped_terms
+from moe_rl.objectives.config import ObjectiveConfig
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (0.2, 0.2)
@@ -29,13 +29,10 @@ def dr_grpo(
     cfg: ObjectiveConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO (arXiv 2503.20783): GRPO term, sum over all tokens / (num sequences * max length)."""
-    eps_lo, eps_hi = resolve_clip(cfg, DEFAULT_CLIP)
-    mask_BT, log_w_BT, adv_BT = prepare(logp_BT, old_logp_BT, advantages, mask_BT)
-    w_BT = log_w_BT.exp()
-    term_BT, low_BT, high_BT = ppo_clipped_term(w_BT, adv_BT, eps_lo, eps_hi)
+    term_BT, mask_BT, metrics = token_clipped_terms(logp_BT, old_logp_BT, advantages, mask_BT, cfg, DEFAULT_CLIP)
     num_sequences = mask_BT.shape[0]
     loss = masked_sum(term_BT, mask_BT) / (num_sequences * constant_length(cfg, mask_BT))
-    return finish(loss, ratio_metrics(w_BT, mask_BT), clip_metrics(low_BT, high_BT, mask_BT))
+    return finish(loss, metrics)
 
 
 def constant_length(cfg: ObjectiveConfig, mask_BT: torch.Tensor) -> int:
