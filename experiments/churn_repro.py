@@ -12,17 +12,16 @@ size of policy change. GRPO with native routing (the setting the paper measured)
     moe-rl sweep churn_repro --arg lrs=1e-4,3e-4 layers=4    # a slice
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --time 120
 
-CPU (default): 30 runs x 25 rollout steps (100 updates each) plus 6 warm starts (300 SFT steps each); measured
-about 9-10 min with --workers 2 on this shared 2-core machine (runs of 10-60 s, deeper and wider models slower),
-roughly twice that with --workers 1. GPU (`scale="gpu"`): 64 experts top-8 | 128 experts top-8, depths 12 | 24 | 48,
-lr 1e-6..1e-4; not yet timed.
+CPU (default): 30 runs x 25 rollout steps (100 updates each) plus 6 warm starts (300 SFT steps each): 4 min 57 s
+with --workers 2 for the committed study (results/churn_repro), 9-10 min on a busier machine. GPU (`scale="gpu"`):
+64 experts top-8 | 128 experts top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run.
 
-What the CPU grid showed in a first run (churn per update, mean over updates 20-99, seed 0): 0.1-0.5% at lr 3e-5,
-0.2-1.6% at 1e-4, 0.7-2.8% at 3e-4, 1.7-7.3% at 1e-3 and 3-17% at 3e-3. Up to lr 1e-3 it grows with depth
-(2 -> 8 layers) and with experts (8/2 -> 32/4), and the last MoE layer churns several times more than the first.
-Churn near 10% per update needs lr 3e-3 with 32 experts, where the tiny model collapses (reward -> 0); at the
-learning rates where RL still works it stays an order of magnitude below the paper's, which is what the GPU variant
-is for.
+What the committed CPU study shows (churn per update, mean over each run's 100 updates, seed 0): 0.09-0.51% at lr
+3e-5, 0.15-1.51% at 1e-4, 0.59-3.11% at 3e-4, 2.0-6.9% at 1e-3 and 4.8-13.6% at 3e-3. At every lr it grows with
+depth (2 -> 8 blocks) and with experts (8/2 -> 32/4), and the last MoE layer churns several times more than the
+first. Churn near 10% per update needs lr 3e-3 (11.1% and 13.6% with 32 experts, 4 and 8 blocks), where the tiny
+model collapses (reward -> 0.01-0.03); at the learning rates where RL still works it stays an order of magnitude
+below the paper's, which is what the GPU variant is for.
 """
 
 from __future__ import annotations
