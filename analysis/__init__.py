@@ -1,6 +1,6 @@
 """Analysis of moe-rl run directories: loaders, aggregation over seeds, figures and the `moe-rl report` command.
 
-Reads run directories only; the trainer never imports this package (DESIGN.md section 2). See docs/analysis.md.
+Reads run directories only; the trainer never imports this package (docs/design.md section 2). See docs/analysis.md.
 
     from analysis import load_runs, group_keys, add_groups, mean_ci, final_scores
     data = load_runs("runs/")                         # a run, a folder of runs, or a sweep

@@ -12,7 +12,7 @@ differ between the runs, and KEY_CONFIG; `data.with_config(frame, keys)` joins a
 
 Only RL runs are read (config.json has `routing_mode`); SFT runs in the same folder are skipped. Running, killed
 and diverged runs load like finished ones: the reader drops a partial last line, and `status` says how it ended.
-Nothing here imports the trainer's modules beyond moe_rl.runlog's readers (nothing flows backwards).
+Nothing here imports the trainer's modules beyond moe_rl.runs.runlog's readers (nothing flows backwards).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 
 from moe_rl.errors import DataError
-from moe_rl.runlog import flatten, read_metrics, read_tables
+from moe_rl.runs.runlog import flatten, read_metrics, read_tables
 
 RUN_COLUMNS = ["run", "path", "status", "reason", "seed"]
 INFO_COLUMNS = [*RUN_COLUMNS, "n_lines", "last_step", "git_sha"]  # the columns of `runs` that are not config

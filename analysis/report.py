@@ -34,7 +34,7 @@ from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, looks_for
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
-from moe_rl.provenance import git_state, utc_now
+from moe_rl.runs.provenance import git_state, utc_now
 
 FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/token_any", "update/kl",
                  "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")

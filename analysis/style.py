@@ -26,7 +26,7 @@ from matplotlib.ticker import FuncFormatter
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"]
 ROUTING_LINESTYLES = {"native": "-", "R2": "--", "R3": ":"}
-# Objectives in the order of DESIGN.md section 6: the colour of each when groups differ only in objective and
+# Objectives in the order of docs/design.md section 6: the colour of each when groups differ only in objective and
 # routing mode. Objectives not listed take the following colours, in name order.
 OBJECTIVE_ORDER = ("grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gmpo")
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]

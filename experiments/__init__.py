@@ -1,4 +1,4 @@
-"""Named experiments: Python functions that return an `Experiment` (moe_rl.grid): the config every run starts from,
+"""Named experiments: Python functions that return an `Experiment` (moe_rl.sweep.grid): the config every run starts from,
 the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name=value` passes its arguments.
 
 | name                   | the question it answers                                                 | CPU default      |
@@ -14,11 +14,24 @@ Each takes `scale="gpu"` for its GPU-sized variant. To add one: write a function
 docstring with its question and expected time, and list it in EXPERIMENTS.
 """
 
+from collections.abc import Callable
+
 from experiments.ablations import ablations
 from experiments.churn_repro import churn_repro
 from experiments.objective_comparison import objective_comparison
 from experiments.smoke import smoke
 
+from moe_rl.errors import ConfigError
+from moe_rl.sweep.grid import Experiment
+
 EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations)}
 
-__all__ = ["EXPERIMENTS", "ablations", "churn_repro", "objective_comparison", "smoke"]
+
+def get_experiment(name: str) -> Callable[..., Experiment]:
+    """The experiment function registered under `name`; an unknown name is refused with the list of known ones."""
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
+
+
+__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "objective_comparison", "smoke"]

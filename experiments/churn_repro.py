@@ -26,7 +26,7 @@ below the paper's, which is what the GPU variant is for.
 
 from __future__ import annotations
 
-from moe_rl.grid import Experiment, axis, product
+from moe_rl.sweep.grid import Experiment, axis, product
 
 from experiments.common import rl_base, warm_start
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moe_rl.grid import Experiment, axis, product
+from moe_rl.sweep.grid import Experiment, axis, product
 from moe_rl.model import ModelConfig
 from moe_rl.tasks import TaskConfig
 

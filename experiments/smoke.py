@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from moe_rl.config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from moe_rl.errors import check_choice
-from moe_rl.grid import Experiment, axis, product
+from moe_rl.sweep.grid import Experiment, axis, product
 from moe_rl.model import ModelConfig
 from moe_rl.rollout import SamplingConfig
 

@@ -1,4 +1,4 @@
-"""Group-relative advantages and reward statistics (DESIGN.md section 6).
+"""Group-relative advantages and reward statistics (docs/design.md section 6).
 
 Rewards come as `rewards_NG`: N groups (prompts) of G completions each. GRPO's outcome advantage
 (DeepSeekMath, arXiv 2402.03300, section 4.1.2) is

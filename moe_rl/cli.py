@@ -42,9 +42,13 @@ def _sft():
 
 
 def _sweep():
-    from moe_rl.sweep import SweepConfig, sweep_command
+    from functools import partial
 
-    return SweepConfig, sweep_command
+    from experiments import EXPERIMENTS
+    from moe_rl.sweep.command import sweep_command
+    from moe_rl.sweep.config import SweepConfig
+
+    return SweepConfig, partial(sweep_command, experiments=EXPERIMENTS)
 
 
 def _report():
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     config_class, run = COMMANDS[name].load()
-    module_doc = sys.modules[run.__module__].__doc__
+    module_doc = sys.modules[getattr(run, "func", run).__module__].__doc__
     try:
         rest, defaults = _config_file(config_class, rest)
         cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc, default=defaults)
@@ -100,7 +104,7 @@ def _config_file(config_class, args: list[str]):
         raise ConfigError("--config-file needs a path to a JSON config (e.g. runs/<name>/config.json)")
     import json
 
-    from moe_rl.overrides import from_dict
+    from moe_rl.sweep.overrides import from_dict
 
     path = args[at + 1]
     with open(path, encoding="utf-8") as file:

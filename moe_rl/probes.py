@@ -1,6 +1,6 @@
 """Routing probes: how far routing moves per update, with staleness, against the sampler, and under replay.
 
-Each probe compares two routings (A, B) of the same tokens (DESIGN.md section 5):
+Each probe compares two routings (A, B) of the same tokens (docs/design.md section 5):
 
 | probe     | A                               | B                                  | cadence counted in |
 |-----------|---------------------------------|------------------------------------|--------------------|

@@ -13,7 +13,7 @@ int16. Recording and replaying are sessions over a model, used as context manage
 
 A session attaches itself to each MoE layer of one model for the duration of the block; nothing is global,
 and a replay that does not fit the model fails at once, naming the layer, instead of falling back to native
-routing. Churn between two routings of the same tokens follows DESIGN.md section 5.
+routing. Churn between two routings of the same tokens follows docs/design.md section 5.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def replay_routing(model, trace: RoutingTrace, record_native: bool = False) -> R
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Churn (DESIGN.md section 5)
+# Churn (docs/design.md section 5)
 
 
 @dataclass(frozen=True)

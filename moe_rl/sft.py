@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe_rl.checkpoint import save_checkpoint
+from moe_rl.build import build_model, resolve_device
 from moe_rl.config import SFTConfig
 from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import sampled_reward
-from moe_rl.runlog import RunDir
+from moe_rl.runs.checkpoint import save_checkpoint
+from moe_rl.runs.runlog import RunDir
 from moe_rl.tasks import build_task, build_tokenizer
-from moe_rl.train import build_model, resolve_device
 
 
 def sft_batch(problems, task, tokenizer, device):

@@ -1,4 +1,4 @@
-"""Policy-change signals logged every optimizer step (DESIGN.md section 5), from log-probs and a response mask.
+"""Policy-change signals logged every optimizer step (docs/design.md section 5), from log-probs and a response mask.
 
 Inputs: `logp_BT` (log pi_theta of the response tokens), `old_logp_BT` (log pi_old), `mask_BT` (real response
 tokens). With log w_it = logp_it - old_logp_it over real tokens:

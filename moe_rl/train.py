@@ -1,6 +1,6 @@
 """moe-rl train: RL with verifiable rewards on the native MoE transformer, any objective, any routing mode.
 
-One rollout step (DESIGN.md section 2):
+One rollout step (docs/design.md section 2):
   sample G completions for each of B prompts (KV cache; the sampler's routing kept for R3 and the rollout probe)
   -> rewards -> group-normalised advantages (DAPO drops zero-std groups; Dr. GRPO skips the std)
   -> shuffle rows, split into `minibatches` chunks
@@ -45,22 +45,22 @@ import torch
 
 from moe_rl import distributed
 from moe_rl.advantages import group_advantages, reward_stats, zero_std_groups
-from moe_rl.checkpoint import load_checkpoint, load_latest, restore_training_state, save_checkpoint, training_state
+from moe_rl.build import build_model, make_optimizer, resolve_device
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.masked import masked_mean, masked_sum
-from moe_rl.model import ModelConfig, MoETransformer
-from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
+from moe_rl.model import MoETransformer
 from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
 from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
-from moe_rl.runlog import RunDir, write_table
+from moe_rl.runs.checkpoint import load_latest, restore_training_state, save_checkpoint, training_state
+from moe_rl.runs.runlog import RunDir, write_table
+from moe_rl.runs.trackers import make_trackers
 from moe_rl.signals import entropy_from_logits, ratio_signals
 from moe_rl.tasks import build_task, build_tokenizer
-from moe_rl.trackers import make_trackers
 
 ROUTING_TABLE_KEYS = ("update", "minibatch", "probe", "layer")  # a routing/ table row, reduced over ranks
 
@@ -90,47 +90,6 @@ class OldPass:
     native: NativeRouting | None  # reused by the probes when native
     router_entropy_LBS: torch.Tensor | None
     ref_logp_BN: torch.Tensor | None  # the reference policy's log-probs, with a KL penalty
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
-    return torch.device(name)
-
-
-def load_model_weights(model: MoETransformer, path: str) -> None:
-    """Load a checkpoint's model weights, refusing one saved for a different architecture (loss coefficients and
-    the dispatch path may differ: NON_ARCHITECTURE_FIELDS)."""
-    state = load_checkpoint(path)
-    saved = state.get("model_config") or {}
-    asked = asdict(model.cfg)
-    diff = {k: (saved[k], v) for k, v in asked.items()
-            if k in saved and saved[k] != v and k not in NON_ARCHITECTURE_FIELDS}
-    if diff:
-        raise ConfigError(f"init_from={path} was saved for a different architecture; (saved, asked): {diff}")
-    model.load_state_dict(state["model"])
-
-
-def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None) -> MoETransformer:
-    torch.manual_seed(seed)
-    model = MoETransformer(cfg)
-    if init_from is not None:
-        load_model_weights(model, init_from)
-    return model.to(device)
-
-
-def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup to a constant learning rate."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
-    warmup = cfg.warmup_steps
-
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup else 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class Trainer:

@@ -67,7 +67,7 @@ def sft_checkpoint(tmp_path_factory):
 
 def metric_lines(run_dir, minibatch=None):
     """metrics.jsonl lines of a run, optionally only those of one minibatch index."""
-    from moe_rl.runlog import read_metrics
+    from moe_rl.runs.runlog import read_metrics
 
     lines = read_metrics(run_dir)
     return [line for line in lines if minibatch is None or line.get("minibatch") == minibatch]

@@ -27,7 +27,7 @@ from moe_rl.config import LogConfig, OptimConfig
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
-from moe_rl.runlog import RunDir, read_metrics
+from moe_rl.runs.runlog import RunDir, read_metrics
 from moe_rl.train import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.atomic import iter_temp_files
-from moe_rl.checkpoint import (
+from moe_rl.runs.atomic import iter_temp_files
+from moe_rl.runs.checkpoint import (
     NoCheckpointError,
     capture_rng_state,
     load_checkpoint,

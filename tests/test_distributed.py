@@ -27,8 +27,8 @@ from moe_rl.objectives import ObjectiveConfig, get_objective, objective_names
 from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.probes import ProbeConfig
 from moe_rl.rollout import SamplingConfig
-from moe_rl.runlog import read_manifest, read_tables
-from moe_rl.train import build_model
+from moe_rl.runs.runlog import read_manifest, read_tables
+from moe_rl.build import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_ARGS = ["--device", "cpu", "--model.d-model", "48", "--model.n-layers", "2", "--model.n-experts", "4",
@@ -291,8 +291,8 @@ def test_prompts_per_step_must_split_evenly_over_the_ranks(tmp_path):
 def test_torchrun_runs_the_smoke_experiment_from_its_config_file(tmp_path):
     """The smoke experiment's first run, saved as JSON, launched on two gloo ranks through --config-file."""
     from experiments.smoke import smoke
-    from moe_rl.overrides import with_overrides
-    from moe_rl.runlog import config_to_dict
+    from moe_rl.sweep.overrides import with_overrides
+    from moe_rl.runs.runlog import config_to_dict
 
     experiment = smoke()
     cfg = with_overrides(experiment.base, experiment.grid[0])

@@ -8,8 +8,9 @@ import pytest
 
 from experiments import EXPERIMENTS
 from moe_rl.config import SFTConfig, TrainConfig
-from moe_rl.overrides import from_dict
-from moe_rl.sweep import plan_sweep
+from moe_rl.sweep.overrides import from_dict
+from experiments import get_experiment
+from moe_rl.sweep.command import plan_sweep
 
 ARCHITECTURE = ("n_layers", "n_experts", "top_k", "d_model", "d_expert", "n_heads")
 
@@ -17,7 +18,7 @@ ARCHITECTURE = ("n_layers", "n_experts", "top_k", "d_model", "d_expert", "n_head
 @pytest.mark.parametrize("scale", ["cpu", "gpu"])
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_every_experiment_expands_to_valid_configs(tmp_path, name, scale):
-    plan = plan_sweep(name, tmp_path / name, {"scale": scale})
+    plan = plan_sweep(get_experiment(name), tmp_path / name, {"scale": scale})
     assert len(plan.runs) >= 2
     assert len({run.name for run in plan.runs}) == len(plan.runs)
     for run in plan.runs:
@@ -47,7 +48,7 @@ def test_every_experiment_documents_its_question_time_and_gpu_variant(name):
 
 
 def test_objective_comparison_grid():
-    plan = plan_sweep("objective_comparison", "/tmp/unused")
+    plan = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused")
     names = [run.name for run in plan.runs]
     assert len(names) == 5 * 3
     assert names[:4] == ["obj=grpo,mode=native,seed=0", "obj=grpo,mode=native,seed=1",
@@ -57,14 +58,14 @@ def test_objective_comparison_grid():
     assert all(r.config.minibatches == 4 for r in plan.runs)  # the off-policy setting
     assert len(plan.warmstarts) == 1  # one model: every method starts from the same warm start
 
-    wide = plan_sweep("objective_comparison", "/tmp/unused", {"all_objectives": "true", "seeds": "2"})
+    wide = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused", {"all_objectives": "true", "seeds": "2"})
     assert len(wide.runs) == 10 * 2
     assert {r.config.objective.name for r in wide.runs} == {
         "grpo", "gspo", "cispo", "gmpo", "dapo", "dr_grpo", "gspo_token"}
 
 
 def test_churn_repro_grid_spans_lr_depth_and_experts_with_one_warm_start_per_architecture():
-    plan = plan_sweep("churn_repro", "/tmp/unused")
+    plan = plan_sweep(get_experiment("churn_repro"), "/tmp/unused")
     swept = plan.swept()
     assert swept["optim.lr"] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
     assert swept["model.n_layers"] == [2, 4, 8]
@@ -78,13 +79,13 @@ def test_churn_repro_grid_spans_lr_depth_and_experts_with_one_warm_start_per_arc
         key = (run.config.model.n_layers, run.config.model.n_experts, run.config.model.top_k)
         assert by_arch.setdefault(key, run.warmstart) == run.warmstart  # learning rates share a warm start
 
-    sliced = plan_sweep("churn_repro", "/tmp/unused", {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4"})
+    sliced = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4"})
     assert [r.name for r in sliced.runs] == ["lr=1e-4,layers=4,experts=16,topk=4,seed=0",
                                              "lr=3e-4,layers=4,experts=16,topk=4,seed=0"]
 
 
 def test_ablations_change_one_knob_at_a_time():
-    plan = plan_sweep("ablations", "/tmp/unused")
+    plan = plan_sweep(get_experiment("ablations"), "/tmp/unused")
     base = next(r for r in plan.runs if r.name == "base,seed=0").config
     assert len(plan.runs) == 14
     for run in plan.runs:
@@ -95,13 +96,13 @@ def test_ablations_change_one_knob_at_a_time():
     assert len(plan.warmstarts) == 7  # base + experts x2 + top-k x2 + depth x2
     assert base.optim.lr == 1e-4 and {"lr=3e-5,seed=0", "lr=3e-4,seed=0"} <= {r.name for r in plan.runs}
 
-    gspo = plan_sweep("ablations", "/tmp/unused", {"objective": "gspo"})
+    gspo = plan_sweep(get_experiment("ablations"), "/tmp/unused", {"objective": "gspo"})
     gspo_clips = [r.config.objective.clip_low for r in gspo.runs if "objective.clip_low" in r.point]
     assert gspo_clips == pytest.approx([1.5e-4, 6e-4])
 
 
 def test_smoke_is_tiny():
-    plan = plan_sweep("smoke", "/tmp/unused")
+    plan = plan_sweep(get_experiment("smoke"), "/tmp/unused")
     assert 2 <= len(plan.runs) <= 4
     assert all(r.config.total_steps <= 2 and r.config.model.n_layers <= 2 for r in plan.runs)
     assert all(w.steps <= 20 for w in plan.warmstarts.values())

@@ -1,6 +1,6 @@
 """Objectives against independent references written here with python loops over sequences and tokens.
 
-Each reference returns (loss, d loss / d logp) derived by hand from the formula of DESIGN.md section 6; the
+Each reference returns (loss, d loss / d logp) derived by hand from the formula of docs/design.md section 6; the
 objective's loss and its autograd gradient must match both, on random inputs with ragged and empty sequences,
 advantages of both signs and ratios on both sides of both clip bounds.
 """

@@ -16,7 +16,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.probes import ProbeConfig, Prober
 from moe_rl.rollout import SamplingConfig, encode_prompts, generate, to_rollout_batch
 from moe_rl.routing import record_routing
-from moe_rl.runlog import read_manifest, read_metrics, read_tables
+from moe_rl.runs.runlog import read_manifest, read_metrics, read_tables
 from moe_rl.tasks import CharTokenizer
 from moe_rl.train import train
 

@@ -1,4 +1,4 @@
-"""Run directory, manifest, metrics.jsonl, Parquet tables and tracker mirrors (moe_rl.runlog and neighbours)."""
+"""Run directory, manifest, metrics.jsonl, Parquet tables and tracker mirrors (moe_rl.runs.runlog and neighbours)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import moe_rl
-from moe_rl import provenance
-from moe_rl.atomic import atomic_write, atomic_write_text, iter_temp_files
+from moe_rl.runs import provenance
+from moe_rl.runs.atomic import atomic_write, atomic_write_text, iter_temp_files
 from moe_rl.errors import ConfigError, DataError
-from moe_rl.jsonlog import MetricsWriter, read_jsonl
-from moe_rl.runlog import (
+from moe_rl.runs.jsonlog import MetricsWriter, read_jsonl
+from moe_rl.runs.runlog import (
     RunDir,
     RunExistsError,
     read_config,
@@ -33,7 +33,7 @@ from moe_rl.runlog import (
     read_tables,
     write_table,
 )
-from moe_rl.trackers import TRACKING_EXTRA, TensorBoardTracker, WandbTracker, make_trackers
+from moe_rl.runs.trackers import TRACKING_EXTRA, TensorBoardTracker, WandbTracker, make_trackers
 
 REPO_ROOT = Path(moe_rl.__file__).resolve().parent.parent
 
@@ -239,7 +239,7 @@ def test_reader_rejects_a_broken_line_in_the_middle_naming_it(tmp_path):
 KILLED_WRITER = textwrap.dedent(
     """
     import os, signal, sys
-    from moe_rl.runlog import RunDir
+    from moe_rl.runs.runlog import RunDir
     run = RunDir(sys.argv[1], {"seed": 0, "total_steps": 10})
     metrics = run.open_metrics()
     for step in (1, 2, 3):

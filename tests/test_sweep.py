@@ -16,13 +16,14 @@ import pytest
 from conftest import metric_lines, tiny_train_config
 from moe_rl.config import OptimConfig, SFTConfig
 from moe_rl.errors import ConfigError
-from moe_rl.grid import Experiment, axis, format_value, product, run_name, union
-from moe_rl.jobs import execute_job, run_local
+from moe_rl.sweep.grid import Experiment, axis, format_value, product, run_name, union
+from moe_rl.sweep.jobs import execute_job, run_local
 from moe_rl.model import ModelConfig
-from moe_rl.overrides import coerce, from_dict, with_overrides
-from moe_rl.runlog import config_to_dict, read_manifest
-from moe_rl.sweep import plan_sweep, print_plan
-from moe_rl.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
+from moe_rl.sweep.overrides import coerce, from_dict, with_overrides
+from moe_rl.runs.runlog import config_to_dict, read_manifest
+from experiments import get_experiment
+from moe_rl.sweep.command import plan_sweep, print_plan
+from moe_rl.sweep.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
 from moe_rl.train import Trainer
 
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64)
@@ -135,22 +136,22 @@ def test_a_bad_override_names_the_field(overrides, message):
 def test_unknown_experiment_lists_the_available_ones():
     with pytest.raises(ConfigError, match="unknown experiment 'churn'; available: smoke, churn_repro, "
                                           "objective_comparison, ablations"):
-        plan_sweep("churn", "/tmp/unused")
+        plan_sweep(get_experiment("churn"), "/tmp/unused")
 
 
 def test_unknown_experiment_argument_lists_the_arguments():
     with pytest.raises(ConfigError, match="has no argument 'seed'; its arguments: scale='cpu', seeds=3"):
-        plan_sweep("objective_comparison", "/tmp/unused", {"seed": "1"})
+        plan_sweep(get_experiment("objective_comparison"), "/tmp/unused", {"seed": "1"})
 
 
 def test_override_of_a_missing_field_names_it(tmp_path):
     with pytest.raises(ConfigError, match="--set 'optim.learning_rate' is not a field of TrainConfig"):
-        plan_sweep("smoke", tmp_path, overrides={"optim.learning_rate": "1e-4"})
+        plan_sweep(get_experiment("smoke"), tmp_path, overrides={"optim.learning_rate": "1e-4"})
 
 
 def test_override_of_a_swept_field_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="--set routing_mode: the experiment sweeps routing_mode over native, R2"):
-        plan_sweep("smoke", tmp_path, overrides={"routing_mode": "R3"})
+        plan_sweep(get_experiment("smoke"), tmp_path, overrides={"routing_mode": "R3"})
 
 
 def test_a_grid_point_with_a_bad_field_names_the_run(tmp_path):
@@ -159,10 +160,10 @@ def test_a_grid_point_with_a_bad_field_names_the_run(tmp_path):
 
 
 def test_a_sweep_directory_made_by_a_different_grid_is_refused(tmp_path):
-    store_plan(plan_sweep("smoke", tmp_path / "s"))
-    store_plan(plan_sweep("smoke", tmp_path / "s"))  # the same grid again is fine
+    store_plan(plan_sweep(get_experiment("smoke"), tmp_path / "s"))
+    store_plan(plan_sweep(get_experiment("smoke"), tmp_path / "s"))  # the same grid again is fine
     with pytest.raises(ConfigError) as err:
-        store_plan(plan_sweep("smoke", tmp_path / "s", {"steps": "3"}))
+        store_plan(plan_sweep(get_experiment("smoke"), tmp_path / "s", {"steps": "3"}))
     message = str(err.value)
     assert "holds a different grid" in message and "total_steps: 2 -> 3" in message
     assert "run its own command: moe-rl sweep smoke" in message and "choose another --sweep-dir" in message
@@ -236,12 +237,12 @@ def test_a_run_that_dies_before_its_manifest_is_failed_with_the_jobs_reason(tmp_
 
 
 def test_a_killed_worker_is_failed_with_its_exit_status_and_last_line(tmp_path, monkeypatch):
-    import moe_rl.jobs
+    import moe_rl.sweep.jobs
 
     python = tmp_path / "python"  # a worker that is killed before it can note anything, as the OOM killer would
     python.write_text("#!/bin/sh\necho 'allocating 80 GB'\nkill -9 $$\n")
     python.chmod(0o755)
-    monkeypatch.setattr(moe_rl.jobs.sys, "executable", str(python))
+    monkeypatch.setattr(moe_rl.sweep.jobs.sys, "executable", str(python))
     lines = []
     index = run_local(plan_sweep(experiment([{"seed": 0}]), tmp_path / "s"), echo=lines.append)
     assert index["status"].tolist() == ["failed"]
@@ -264,7 +265,7 @@ def test_diverged_is_a_result_and_is_only_rerun_on_request(tmp_path):
 
 def test_debug_executor_requeue_resumes_from_the_checkpoint(tmp_path, monkeypatch, capsys):
     submitit = pytest.importorskip("submitit")
-    from moe_rl.slurm import SweepJob, submit
+    from moe_rl.sweep.slurm import SweepJob, submit
 
     plan = plan_sweep(experiment([{"seed": 0}], warm=True, total_steps=4), tmp_path / "s")
     save, preempted = Trainer.save, []
@@ -309,8 +310,8 @@ echo "Submitted batch job $((100 + n))"
 
 def test_slurm_submission_is_an_array_after_the_warm_starts(tmp_path, monkeypatch):
     pytest.importorskip("submitit")
-    from moe_rl.slurm import make_executor, submit
-    from moe_rl.sweep import SweepConfig
+    from moe_rl.sweep.slurm import make_executor, submit
+    from moe_rl.sweep.config import SweepConfig
 
     bin_dir, scripts = tmp_path / "bin", tmp_path / "scripts"
     bin_dir.mkdir(), scripts.mkdir()
@@ -322,7 +323,7 @@ def test_slurm_submission_is_an_array_after_the_warm_starts(tmp_path, monkeypatc
     monkeypatch.setenv("FAKE_SBATCH_DIR", str(scripts))
     cfg = SweepConfig("smoke", executor="slurm", partition="gpu", gpus_per_job=2, time=90, array_parallelism=3,
                       slurm_param=("account=lab",))
-    plan = plan_sweep("smoke", tmp_path / "s")
+    plan = plan_sweep(get_experiment("smoke"), tmp_path / "s")
     jobs = submit(plan, make_executor(cfg, plan.sweep_dir), threads=cfg.cpus_per_job)
     assert [job.job_id for job in jobs] == ["101_0", "101_1", "101_2", "101_3"]
     warm_script, array_script = (scripts / "0.sh").read_text(), (scripts / "1.sh").read_text()
@@ -339,8 +340,8 @@ def test_slurm_submission_is_an_array_after_the_warm_starts(tmp_path, monkeypatc
 
 def test_slurm_executor_without_slurm_says_so(tmp_path, monkeypatch):
     pytest.importorskip("submitit")
-    from moe_rl.slurm import make_executor
-    from moe_rl.sweep import SweepConfig
+    from moe_rl.sweep.slurm import make_executor
+    from moe_rl.sweep.config import SweepConfig
 
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ConfigError, match="SLURM is not available here"):
@@ -350,7 +351,7 @@ def test_slurm_executor_without_slurm_says_so(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_local_executor_preempted_job_requeues_and_resumes(tmp_path, monkeypatch):
     submitit = pytest.importorskip("submitit")
-    from moe_rl.slurm import submit
+    from moe_rl.sweep.slurm import submit
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # the job imports this checkout
 

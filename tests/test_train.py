@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL, metric_lines, tiny_train_config
-from moe_rl.checkpoint import NoCheckpointError, load_latest
+from moe_rl.runs.checkpoint import NoCheckpointError, load_latest
 from moe_rl.config import OptimConfig, RolloutConfig, TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
 from moe_rl.probes import ProbeConfig
 from moe_rl.rollout import SamplingConfig
-from moe_rl.runlog import read_manifest
+from moe_rl.runs.runlog import read_manifest
 from moe_rl.tasks import TaskConfig, build_task
 from moe_rl.train import train
 
@@ -196,7 +196,7 @@ def test_cli_sft_then_train_end_to_end(tmp_path):
 
 
 def test_cli_config_file_is_the_default_and_flags_override_it(tmp_path):
-    from moe_rl.runlog import config_to_dict
+    from moe_rl.runs.runlog import config_to_dict
 
     saved = tiny_train_config("ignored", routing_mode="R2", total_steps=5, kl_coef=0.1)
     (tmp_path / "cfg.json").write_text(json.dumps(config_to_dict(saved)))

@@ -17,7 +17,7 @@ from moe_rl.model.layers import SwiGLU
 
 
 class RouterOutput(NamedTuple):
-    """The routing contract (DESIGN.md section 4): the first three fields; logits are kept for the z-loss."""
+    """The routing contract (docs/design.md section 4): the first three fields; logits are kept for the z-loss."""
 
     weights_TK: torch.Tensor  # gate weights, gathered from scores_TE at ids_TK (renormalised if configured)
     ids_TK: torch.Tensor  # int64 expert ids

@@ -1,4 +1,4 @@
-"""Policy objectives, one file each, all reachable by name and sharing one signature (DESIGN.md section 6):
+"""Policy objectives, one file each, all reachable by name and sharing one signature (docs/design.md section 6):
 
     objective(logp_BT, old_logp_BT, advantages, mask_BT, cfg) -> (loss, metrics: dict[str, float])
 

@@ -10,7 +10,7 @@ from moe_rl.objectives.registry import get_objective
 
 @dataclass
 class ObjectiveConfig:
-    """The policy objective of an RL update (DESIGN.md section 6)."""
+    """The policy objective of an RL update (docs/design.md section 6)."""
 
     name: str = "grpo"
     """Objective: grpo, gspo, gspo_token, dr_grpo, dapo, cispo or gmpo (`moe_rl.objectives.objective_names()`)."""

@@ -19,8 +19,6 @@ from moe_rl.errors import check_choice
 if TYPE_CHECKING:
     import torch
 
-    from moe_rl.objectives.config import ObjectiveConfig
-
 ObjectiveFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 
 # What the clip numbers bound: the ratio w in [1-e_lo, 1+e_hi] (PPO style, the gradient is cut outside), log w in
@@ -45,7 +43,7 @@ class ObjectiveSpec:
     loss_denominator: str
     summary: str
 
-    def __call__(self, logp_BT, old_logp_BT, advantages, mask_BT, cfg: ObjectiveConfig) -> Any:
+    def __call__(self, logp_BT, old_logp_BT, advantages, mask_BT, cfg: Any) -> Any:  # cfg: objectives.config.ObjectiveConfig
         return self.fn(logp_BT, old_logp_BT, advantages, mask_BT, cfg)
 
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moe_rl.atomic import atomic_write_text
 from moe_rl.errors import DataError
+from moe_rl.runs.atomic import atomic_write_text
 
 if TYPE_CHECKING:
-    from moe_rl.trackers import Tracker
+    from moe_rl.runs.trackers import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class MetricsWriter:
     A SIGKILL therefore loses at most the line being written, and readers drop that partial line.
     resume_from_step: the step of the checkpoint a resumed run starts from. Lines with a larger step were logged
         after that checkpoint and the resumed run logs those steps again, so they are dropped here.
-    trackers: optional mirrors (moe_rl.trackers); each line goes to them after it is safe on disk.
+    trackers: optional mirrors (moe_rl.runs.trackers); each line goes to them after it is safe on disk.
     tracker_step_key: the field trackers use as their x axis (default: step_key). The RL trainer writes several
         lines per rollout step and mirrors them at their global optimizer step, "update".
     """

@@ -24,12 +24,13 @@ import pandas as pd
 import submitit
 
 from moe_rl.errors import ConfigError
-from moe_rl.jobs import execute_job
-from moe_rl.overrides import parse_assignments
-from moe_rl.sweepdir import clear_diverged, read_record, store_plan, todo, update_record, write_index
+from moe_rl.sweep.jobs import execute_job
+from moe_rl.sweep.overrides import parse_assignments
+from moe_rl.sweep.sweepdir import clear_diverged, read_record, store_plan, todo, update_record, write_index
 
 if TYPE_CHECKING:
-    from moe_rl.sweep import SweepConfig, SweepPlan
+    from moe_rl.sweep.config import SweepConfig
+    from moe_rl.sweep.plan import SweepPlan
 
 SUBMITIT = "submitit"  # submitit's pickles and logs: <sweep>/submitit/<job id>_*
 

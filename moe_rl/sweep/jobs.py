@@ -1,10 +1,10 @@
 """Sweep jobs: run one warm start or run of a stored sweep (`execute_job`), and the local pool of worker processes.
 
-    python -m moe_rl.jobs <sweep_dir> run <name> [--threads N]        what each local worker runs
+    python -m moe_rl.sweep.jobs <sweep_dir> run <name> [--threads N]  what each local worker runs
     run_local(plan, workers=2)                                          what `moe-rl sweep` runs without --executor
 
-Each job decides for itself from the run directory (moe_rl.sweepdir.run_action): skip a finished or diverged run,
-resume one that stopped with a checkpoint, start the others (over). The SLURM jobs (moe_rl.slurm) call the same
+Each job decides for itself from the run directory (moe_rl.sweep.sweepdir.run_action): skip a finished or diverged run,
+resume one that stopped with a checkpoint, start the others (over). The SLURM jobs (moe_rl.sweep.slurm) call the same
 `execute_job`, so a requeued job resumes the same way.
 """
 
@@ -29,15 +29,15 @@ import pandas as pd
 
 from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import ConfigError
-from moe_rl.overrides import from_dict
-from moe_rl.provenance import utc_now
-from moe_rl.runlog import read_config, read_manifest
-from moe_rl.sweepdir import (RUNS, WARMSTART, checkpoint_step, clear_diverged, file_lock, job_status, read_record,
-                             read_sweep, record_path, run_action, store_plan, todo, update_record, warmstart_done,
-                             write_index)
+from moe_rl.runs.provenance import utc_now
+from moe_rl.runs.runlog import read_config, read_manifest
+from moe_rl.sweep.overrides import from_dict
+from moe_rl.sweep.sweepdir import (RUNS, WARMSTART, checkpoint_step, clear_diverged, file_lock, job_status, read_record,
+                                   read_sweep, record_path, run_action, store_plan, todo, update_record, warmstart_done,
+                                   write_index)
 
 if TYPE_CHECKING:
-    from moe_rl.sweep import SweepPlan
+    from moe_rl.sweep.plan import SweepPlan
 
 
 class WarmStartError(RuntimeError):
@@ -165,7 +165,7 @@ def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> floa
     code_root = str(Path(__file__).resolve().parents[1])
     python_path = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
-    command = [sys.executable, "-m", "moe_rl.jobs", str(sweep_dir), kind, name, "--threads", str(threads)]
+    command = [sys.executable, "-m", "moe_rl.sweep.jobs", str(sweep_dir), kind, name, "--threads", str(threads)]
     start = time.perf_counter()
     with open(log_path, "a") as log:
         log.write(f"=== {utc_now()} {shlex.join(command)}\n")
@@ -185,7 +185,7 @@ def _last_line(path: Path) -> str:
 
 
 def _job_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_rl.jobs",
+    parser = argparse.ArgumentParser(prog="python -m moe_rl.sweep.jobs",
                                      description="Run one job of a stored sweep (what `moe-rl sweep` workers run).")
     parser.add_argument("sweep_dir")
     parser.add_argument("kind", choices=("run", "warmstart"))

@@ -12,7 +12,7 @@ The sweep directory (default sweeps/<experiment>):
                         every run's resolved config (what the jobs run)
     index.csv           one row per run: name, swept fields (dotted), status, reason, warmstart, attempts, run_dir
     warmstart/<key>/    one SFT run per distinct model architecture and task; each run's init_from points at its own
-    runs/<name>/        one run directory each (DESIGN.md section 7)
+    runs/<name>/        one run directory each (docs/design.md section 7)
     jobs/               per job: <name>.json (attempts, last error) and <name>.log (its stdout and stderr)
 
 Re-running the same command skips finished and diverged runs, resumes interrupted or failed runs that saved a
@@ -28,114 +28,24 @@ import hashlib
 import inspect
 import json
 import os
-import shlex
 import sys
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import tyro
-
-from moe_rl.checkpoint import CHECKPOINTS, LATEST
 from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import ConfigError
-from moe_rl.grid import Experiment, format_value, run_name
-from moe_rl.jobs import run_local
 from moe_rl.model import ModelConfig
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
-from moe_rl.overrides import coerce, get_field, parse_assignments, with_overrides
-from moe_rl.runlog import config_to_dict
-from moe_rl.sweepdir import (INDEX_CSV, RUNS, VOLATILE_FIELDS, WARMSTART, check_same_grid, planned_action, todo)
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The plan: an experiment expanded into named runs
-
-
-@dataclass
-class PlannedRun:
-    name: str
-    point: dict[str, Any]
-    """The grid's overrides for this run (typed values)."""
-    config: TrainConfig
-    warmstart: str | None
-    """Key of the warm start it starts from (a folder of <sweep>/warmstart), or None."""
-
-
-@dataclass
-class SweepPlan:
-    experiment: str
-    arguments: dict[str, Any]
-    overrides: dict[str, Any]
-    sweep_dir: Path
-    runs: list[PlannedRun]
-    warmstarts: dict[str, SFTConfig]
-
-    def swept(self) -> dict[str, list]:
-        """Each swept field and its distinct values, in order of first appearance."""
-        values: dict[str, list] = {}
-        for run in self.runs:
-            for key, value in run.point.items():
-                if value not in values.setdefault(key, []):
-                    values[key].append(value)
-        if "seed" in values:
-            values["seed"] = values.pop("seed")  # last, as in run names
-        return values
-
-    def command(self) -> str:
-        """The `moe-rl sweep` command line that makes this plan again."""
-        args = [f"{k}={_cli_value(v)}" for k, v in self.arguments.items()]
-        sets = [f"{k}={_cli_value(v)}" for k, v in self.overrides.items()]
-        return shlex.join(["moe-rl", "sweep", self.experiment, *(["--arg", *args] if args else []),
-                           *(["--set", *sets] if sets else [])])
-
-    def to_json(self) -> dict[str, Any]:
-        runs = [{"name": r.name, "point": r.point, "warmstart": r.warmstart, "config": config_to_dict(r.config)}
-                for r in self.runs]
-        warmstarts = {key: config_to_dict(cfg) for key, cfg in self.warmstarts.items()}
-        return config_to_dict({
-            "experiment": self.experiment, "arguments": self.arguments, "overrides": self.overrides,
-            "command": self.command(), "grid": self.swept(), "n_runs": len(self.runs),
-            "hash": grid_hash(runs, warmstarts), "runs": runs, "warmstarts": warmstarts,
-        })
-
-
-def _cli_value(value: Any) -> str:
-    """A value as `--set` / `--arg` parse it back (moe_rl.overrides.coerce)."""
-    if value is None or isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(_cli_value, value))
-    if isinstance(value, Mapping):
-        return ",".join(f"{k}:{_cli_value(v)}" for k, v in value.items())
-    return str(value)
-
-
-def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
-    """sha256 of the expanded configs, without the fields the sweep sets (paths) or that change no result (threads)."""
-    def stable(entry: dict) -> dict:
-        config = {k: v for k, v in entry["config"].items() if k not in VOLATILE_FIELDS}
-        config["init_from"] = f"warmstart:{entry['warmstart']}" if entry["warmstart"] else entry["config"]["init_from"]
-        return {"name": entry["name"], "config": config}
-
-    body = {"runs": [stable(r) for r in runs],
-            "warmstarts": {k: {f: v for f, v in c.items() if f not in VOLATILE_FIELDS} for k, c in warmstarts.items()}}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def experiment_names() -> list[str]:
-    from experiments import EXPERIMENTS
-
-    return list(EXPERIMENTS)
-
-
-def get_experiment(name: str) -> Callable[..., Experiment]:
-    from experiments import EXPERIMENTS
-
-    if name not in EXPERIMENTS:
-        raise ConfigError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
-    return EXPERIMENTS[name]
+from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.runs.runlog import config_to_dict
+from moe_rl.sweep.config import SweepConfig
+from moe_rl.sweep.grid import Experiment, format_value, run_name
+from moe_rl.sweep.jobs import run_local
+from moe_rl.sweep.overrides import coerce, get_field, parse_assignments, with_overrides
+from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
+from moe_rl.sweep.sweepdir import INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo
 
 
 def experiment_arguments(fn: Callable, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,13 +66,14 @@ def default_sweep_dir(experiment: str, arguments: Mapping[str, Any]) -> Path:
     return Path("sweeps") / f"{experiment}{suffix}"
 
 
-def plan_sweep(experiment: str | Callable[..., Experiment], sweep_dir: str | os.PathLike | None = None,
+def plan_sweep(experiment: Callable[..., Experiment], sweep_dir: str | os.PathLike | None = None,
                arguments: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> SweepPlan:
-    """Expand an experiment (a name in experiments/ or the function itself) into named runs; runs nothing.
+    """Expand an experiment (a function returning an Experiment, e.g. experiments.get_experiment(name)) into named
+    runs; runs nothing.
 
     `arguments` go to the experiment function; `overrides` (dotted, as `--set`) change every run, and `sft.<field>`
     changes the warm start. Strings are parsed by the field's type."""
-    fn = get_experiment(experiment) if isinstance(experiment, str) else experiment
+    fn = experiment
     args = experiment_arguments(fn, arguments or {})
     spec = fn(**args)
     if not isinstance(spec, Experiment):
@@ -236,55 +147,15 @@ def _check_distinct(runs: list[PlannedRun]) -> None:
         configs[body] = run.name
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The command
+def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Experiment]]) -> None:
+    """`moe-rl sweep`: plan, print, then run locally or submit; exits 1 when a run of the sweep failed.
 
-
-@dataclass
-class SweepConfig:
-    """Run a named experiment as a sweep of runs (see the module docstring for the directory layout)."""
-
-    experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
-    """Name of an experiment in experiments/ (smoke, churn_repro, objective_comparison, ablations)."""
-    arg: tuple[str, ...] = ()
-    """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
-    set: tuple[str, ...] = ()
-    """Overrides for every run, dotted.field=value (optim.lr=3e-4 total_steps=10); sft.<field>=value: warm start.
-    A field the experiment sweeps cannot be overridden."""
-    sweep_dir: str | None = None
-    """The sweep directory; default sweeps/<experiment>[,<arg>=<value>...]."""
-    dry_run: bool = False
-    """Print the plan (runs, swept values, what would start, resume or be skipped) and run nothing."""
-    workers: int = 1
-    """local: runs at a time, each in its own process with max(1, cores // workers) torch threads."""
-    retry_diverged: bool = False
-    """Start diverged runs over (by default a diverged run is a result and is skipped)."""
-    executor: Literal["local", "slurm", "submitit-local"] = "local"
-    """local: worker subprocesses here. slurm: one SLURM job per run, as a job array (needs submitit).
-    submitit-local: the SLURM code path run on this machine through submitit's LocalExecutor."""
-    partition: str | None = None
-    """slurm: the partition."""
-    gpus_per_job: int = 1
-    """slurm: GPUs per job."""
-    cpus_per_job: int = 8
-    """slurm: CPUs per job (also the torch threads of the run)."""
-    mem_gb: int | None = None
-    """slurm: memory per job in GB; None = the partition's default."""
-    time: int = 240
-    """slurm: time limit per job, in minutes; a job that reaches it is requeued and resumes from its checkpoint."""
-    array_parallelism: int = 64
-    """slurm: jobs of the array running at once."""
-    slurm_param: tuple[str, ...] = ()
-    """slurm: further sbatch parameters, name=value (e.g. account=my-lab qos=high constraint=h100)."""
-    wait: bool = False
-    """slurm, submitit-local: wait until every job has ended, then print the summary."""
-
-
-def sweep_command(cfg: SweepConfig) -> None:
-    """`moe-rl sweep`: plan, print, then run locally or submit; exits 1 when a run of the sweep failed."""
-    if not cfg.experiment:
-        raise ConfigError(f"name an experiment: {', '.join(experiment_names())}")
-    plan = plan_sweep(cfg.experiment, cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"), parse_assignments(cfg.set))
+    `experiments` maps names to experiment functions (the cli passes experiments.EXPERIMENTS), so that this package
+    never imports the experiments written on top of it."""
+    if cfg.experiment not in experiments:
+        what = f"unknown experiment {cfg.experiment!r}" if cfg.experiment else "name an experiment"
+        raise ConfigError(f"{what}; available: {', '.join(experiments)}")
+    plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"), parse_assignments(cfg.set))
     print_plan(plan, check_same_grid(plan), cfg.retry_diverged)
     if cfg.dry_run:
         print("dry run: nothing was run or written")
@@ -298,7 +169,7 @@ def sweep_command(cfg: SweepConfig) -> None:
             raise SystemExit(130) from None
     else:
         try:
-            from moe_rl.slurm import make_executor, submit, wait_for
+            from moe_rl.sweep.slurm import make_executor, submit, wait_for
         except ImportError as err:
             raise ConfigError(f"--executor {cfg.executor} needs submitit: pip install 'moe-rl[cluster]' ({err})") \
                 from None

@@ -7,7 +7,7 @@
     <sweep>/jobs/<name>.json      the job record: state (queued | running | ended), attempts, last error, job id
     <sweep>/jobs/<name>.log       the local worker's stdout and stderr (warm starts under jobs/warmstart/)
 
-Readers and writers used by moe_rl.sweep (the command), moe_rl.jobs (workers) and moe_rl.slurm (submitit).
+Readers and writers used by moe_rl.sweep (the command), moe_rl.sweep.jobs (workers) and moe_rl.sweep.slurm (submitit).
 """
 
 from __future__ import annotations
@@ -19,23 +19,19 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
-from moe_rl.atomic import atomic_write_text
-from moe_rl.checkpoint import CHECKPOINTS, LATEST
 from moe_rl.errors import ConfigError
-from moe_rl.provenance import utc_now
-from moe_rl.runlog import config_differences, read_manifest
-
-if TYPE_CHECKING:
-    from moe_rl.sweep import PlannedRun, SweepPlan
+from moe_rl.runs.atomic import atomic_write_text
+from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.runs.provenance import utc_now
+from moe_rl.runs.runlog import config_differences, read_manifest
+from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
 
 SWEEP_JSON, INDEX_CSV = "sweep.json", "index.csv"
 RUNS, WARMSTART, JOBS = "runs", "warmstart", "jobs"
-# Fields the sweep sets itself (paths), or that change no result (threads): left out of the grid hash.
-VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -6,14 +6,14 @@
       metrics.jsonl                one JSON object per optimizer step: {"step": 12, "wall_time": ..., "loss": ...}
       routing/step_000012.parquet  per-step, per-layer churn tables
       samples/step_000012.parquet  prompts, completions, rewards of sampled steps
-      checkpoints/                 latest.pt and step_000100.pt (written by moe_rl.checkpoint)
+      checkpoints/                 latest.pt and step_000100.pt (written by moe_rl.runs.checkpoint)
 
 Writers, used by the trainer on rank 0 only: `RunDir`, `MetricsWriter` (via `RunDir.open_metrics`), `write_table`.
 Readers, used by analysis on a path, no RunDir needed: `read_config`, `read_manifest`, `read_metrics`, `read_tables`.
-Neighbours: moe_rl.jsonlog (the metrics.jsonl format, NaN policy), moe_rl.provenance (the manifest's facts),
-moe_rl.atomic (every whole-file write), moe_rl.trackers (optional TensorBoard / W&B mirrors).
+Neighbours: moe_rl.runs.jsonlog (the metrics.jsonl format, NaN policy), moe_rl.runs.provenance (the manifest's facts),
+moe_rl.runs.atomic (every whole-file write), moe_rl.runs.trackers (optional TensorBoard / W&B mirrors).
 
-The trainer's side, in short (checkpoint functions from moe_rl.checkpoint):
+The trainer's side, in short (checkpoint functions from moe_rl.runs.checkpoint):
 
     run = RunDir(out_dir, cfg, resume=cfg.resume)
     start = restore_training_state(load_latest(run), model, optimizer, ...) if cfg.resume else 0
@@ -41,13 +41,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from moe_rl.atomic import atomic_write, atomic_write_text, remove_stale_temp_files
 from moe_rl.errors import ConfigError, DataError, check_choice
-from moe_rl.jsonlog import MetricsWriter, read_jsonl
-from moe_rl.provenance import environment, utc_now
+from moe_rl.runs.atomic import atomic_write, atomic_write_text, remove_stale_temp_files
+from moe_rl.runs.jsonlog import MetricsWriter, read_jsonl
+from moe_rl.runs.provenance import environment, utc_now
 
 if TYPE_CHECKING:
-    from moe_rl.trackers import Tracker
+    from moe_rl.runs.trackers import Tracker
 
 STATUSES = ("running", "finished", "diverged", "failed")
 TABLE_KINDS = ("routing", "samples")

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.atomic import TEMP_SUFFIX, atomic_write
 from moe_rl.errors import check_positive
-from moe_rl.provenance import utc_now
+from moe_rl.runs.atomic import TEMP_SUFFIX, atomic_write
+from moe_rl.runs.provenance import utc_now
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.pt"

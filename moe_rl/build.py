@@ -1,0 +1,56 @@
+"""What every entry point builds a run from: the device, the model (fresh or from a checkpoint) and the optimizer.
+
+Shared by `moe-rl train`, `moe-rl sft` and the probes, so that each builds its model the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from moe_rl.errors import ConfigError
+from moe_rl.model import ModelConfig, MoETransformer
+from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
+from moe_rl.runs.checkpoint import load_checkpoint
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def load_model_weights(model: MoETransformer, path: str) -> None:
+    """Load a checkpoint's model weights, refusing one saved for a different architecture (loss coefficients and
+    the dispatch path may differ: NON_ARCHITECTURE_FIELDS)."""
+    state = load_checkpoint(path)
+    saved = state.get("model_config") or {}
+    asked = asdict(model.cfg)
+    diff = {k: (saved[k], v) for k, v in asked.items()
+            if k in saved and saved[k] != v and k not in NON_ARCHITECTURE_FIELDS}
+    if diff:
+        raise ConfigError(f"init_from={path} was saved for a different architecture; (saved, asked): {diff}")
+    model.load_state_dict(state["model"])
+
+
+def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None) -> MoETransformer:
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg)
+    if init_from is not None:
+        load_model_weights(model, init_from)
+    return model.to(device)
+
+
+def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warmup to a constant learning rate."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    warmup = cfg.warmup_steps
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) if warmup else 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

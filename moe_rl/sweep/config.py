@@ -1,0 +1,48 @@
+"""`moe-rl sweep`'s options (parsed by tyro; the field docstrings are its --help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import tyro
+
+
+@dataclass
+class SweepConfig:
+    """Run a named experiment as a sweep of runs (see the module docstring for the directory layout)."""
+
+    experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
+    """Name of an experiment in experiments/ (smoke, churn_repro, objective_comparison, ablations)."""
+    arg: tuple[str, ...] = ()
+    """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
+    set: tuple[str, ...] = ()
+    """Overrides for every run, dotted.field=value (optim.lr=3e-4 total_steps=10); sft.<field>=value: warm start.
+    A field the experiment sweeps cannot be overridden."""
+    sweep_dir: str | None = None
+    """The sweep directory; default sweeps/<experiment>[,<arg>=<value>...]."""
+    dry_run: bool = False
+    """Print the plan (runs, swept values, what would start, resume or be skipped) and run nothing."""
+    workers: int = 1
+    """local: runs at a time, each in its own process with max(1, cores // workers) torch threads."""
+    retry_diverged: bool = False
+    """Start diverged runs over (by default a diverged run is a result and is skipped)."""
+    executor: Literal["local", "slurm", "submitit-local"] = "local"
+    """local: worker subprocesses here. slurm: one SLURM job per run, as a job array (needs submitit).
+    submitit-local: the SLURM code path run on this machine through submitit's LocalExecutor."""
+    partition: str | None = None
+    """slurm: the partition."""
+    gpus_per_job: int = 1
+    """slurm: GPUs per job."""
+    cpus_per_job: int = 8
+    """slurm: CPUs per job (also the torch threads of the run)."""
+    mem_gb: int | None = None
+    """slurm: memory per job in GB; None = the partition's default."""
+    time: int = 240
+    """slurm: time limit per job, in minutes; a job that reaches it is requeued and resumes from its checkpoint."""
+    array_parallelism: int = 64
+    """slurm: jobs of the array running at once."""
+    slurm_param: tuple[str, ...] = ()
+    """slurm: further sbatch parameters, name=value (e.g. account=my-lab qos=high constraint=h100)."""
+    wait: bool = False
+    """slurm, submitit-local: wait until every job has ended, then print the summary."""

@@ -1,0 +1,92 @@
+"""A sweep's plan: an experiment expanded into named runs, with the hash that identifies its grid.
+
+Plain data: the sweep directory (sweepdir), the workers (jobs, slurm) and the command all read it; it imports none
+of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.runs.runlog import config_to_dict
+
+# Config fields the sweep sets itself (paths) or that change no result (threads): left out of the grid hash.
+VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads")
+
+
+@dataclass
+class PlannedRun:
+    name: str
+    point: dict[str, Any]
+    """The grid's overrides for this run (typed values)."""
+    config: TrainConfig
+    warmstart: str | None
+    """Key of the warm start it starts from (a folder of <sweep>/warmstart), or None."""
+
+
+@dataclass
+class SweepPlan:
+    experiment: str
+    arguments: dict[str, Any]
+    overrides: dict[str, Any]
+    sweep_dir: Path
+    runs: list[PlannedRun]
+    warmstarts: dict[str, SFTConfig]
+
+    def swept(self) -> dict[str, list]:
+        """Each swept field and its distinct values, in order of first appearance."""
+        values: dict[str, list] = {}
+        for run in self.runs:
+            for key, value in run.point.items():
+                if value not in values.setdefault(key, []):
+                    values[key].append(value)
+        if "seed" in values:
+            values["seed"] = values.pop("seed")  # last, as in run names
+        return values
+
+    def command(self) -> str:
+        """The `moe-rl sweep` command line that makes this plan again."""
+        args = [f"{k}={_cli_value(v)}" for k, v in self.arguments.items()]
+        sets = [f"{k}={_cli_value(v)}" for k, v in self.overrides.items()]
+        return shlex.join(["moe-rl", "sweep", self.experiment, *(["--arg", *args] if args else []),
+                           *(["--set", *sets] if sets else [])])
+
+    def to_json(self) -> dict[str, Any]:
+        runs = [{"name": r.name, "point": r.point, "warmstart": r.warmstart, "config": config_to_dict(r.config)}
+                for r in self.runs]
+        warmstarts = {key: config_to_dict(cfg) for key, cfg in self.warmstarts.items()}
+        return config_to_dict({
+            "experiment": self.experiment, "arguments": self.arguments, "overrides": self.overrides,
+            "command": self.command(), "grid": self.swept(), "n_runs": len(self.runs),
+            "hash": grid_hash(runs, warmstarts), "runs": runs, "warmstarts": warmstarts,
+        })
+
+
+def _cli_value(value: Any) -> str:
+    """A value as `--set` / `--arg` parse it back (moe_rl.sweep.overrides.coerce)."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(_cli_value, value))
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}:{_cli_value(v)}" for k, v in value.items())
+    return str(value)
+
+
+def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
+    """sha256 of the expanded configs, without the fields the sweep sets (paths) or that change no result (threads)."""
+    def stable(entry: dict) -> dict:
+        config = {k: v for k, v in entry["config"].items() if k not in VOLATILE_FIELDS}
+        config["init_from"] = f"warmstart:{entry['warmstart']}" if entry["warmstart"] else entry["config"]["init_from"]
+        return {"name": entry["name"], "config": config}
+
+    body = {"runs": [stable(r) for r in runs],
+            "warmstarts": {k: {f: v for f, v in c.items() if f not in VOLATILE_FIELDS} for k, c in warmstarts.items()}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
