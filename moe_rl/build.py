@@ -1,4 +1,5 @@
-"""What every entry point builds a run from: the device, the model (fresh or from a checkpoint) and the optimizer.
+"""What every entry point builds a run from: the device, the tokenizer, the model (fresh or from a checkpoint; native
+or Hugging Face) and the optimizer.
 
 Shared by `moe-rl train`, `moe-rl sft` and the probes, so that each builds its model the same way.
 """
@@ -6,6 +7,7 @@ Shared by `moe-rl train`, `moe-rl sft` and the probes, so that each builds its m
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,8 @@ from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.runs.checkpoint import load_checkpoint
+from moe_rl.tasks import Tokenizer, build_tokenizer
+from moe_rl.tasks.tokenizer import HFTokenizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,12 +40,48 @@ def load_model_weights(model: MoETransformer, path: str) -> None:
     model.load_state_dict(state["model"])
 
 
-def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None) -> MoETransformer:
+def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None):
+    """The native MoETransformer, or with backend 'hf' an HFMoEModel (same interface: moe_rl.model.hf)."""
     torch.manual_seed(seed)
-    model = MoETransformer(cfg)
+    if cfg.backend == "hf":
+        from moe_rl.model.hf import build_hf_model
+
+        model = build_hf_model(cfg)
+    else:
+        model = MoETransformer(cfg)
     if init_from is not None:
         load_model_weights(model, init_from)
     return model.to(device)
+
+
+def build_model_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer of the task prompts: with hf_path, the checkpoint directory's own if it has one; otherwise
+    the character tokenizer. Its ids must fit the model's vocabulary."""
+    if cfg.backend == "native" or cfg.hf_config is not None:
+        return build_tokenizer()
+    from transformers import AutoConfig, AutoTokenizer
+
+    from moe_rl.model.hf import checkpoint_model_type
+
+    checkpoint_model_type(cfg.hf_path)
+    vocab = AutoConfig.from_pretrained(cfg.hf_path, local_files_only=True).vocab_size
+    if _has_tokenizer(cfg.hf_path):
+        try:
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(cfg.hf_path, local_files_only=True))
+        except ValueError as err:
+            raise ConfigError(f"hf_path={cfg.hf_path}: {err}") from None
+        which = "its tokenizer"
+    else:
+        tokenizer, which = build_tokenizer(), "the character tokenizer (the directory has no tokenizer)"
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"hf_path={cfg.hf_path}: {which} has {tokenizer.vocab_size} ids but the model's "
+                          f"vocab_size is {vocab}")
+    return tokenizer
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model", "vocab.json"))
 
 
 def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

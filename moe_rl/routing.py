@@ -165,7 +165,10 @@ class ReplaySession(RoutingSession):
 
     def observe(self, layer, routing, batch, seq_len):
         if self._native is not None:
-            native_ids_TK = routing.scores_TE.detach().topk(routing.ids_TK.shape[1], dim=-1).indices
+            # A backend whose router does not rank by scores_TE (DeepSeek-V3's bias and groups) reports its choice.
+            native_ids_TK = getattr(routing, "native_ids_TK", None)
+            if native_ids_TK is None:
+                native_ids_TK = routing.scores_TE.detach().topk(routing.ids_TK.shape[1], dim=-1).indices
             self._native.add(layer, native_ids_TK.to(torch.int16).view(batch, seq_len, -1))
 
     def native_trace(self) -> RoutingTrace:

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe_rl.build import build_model, resolve_device
+from moe_rl.build import build_model, build_model_tokenizer, resolve_device
 from moe_rl.config import SFTConfig
 from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import sampled_reward
 from moe_rl.runs.checkpoint import save_checkpoint
 from moe_rl.runs.runlog import RunDir
-from moe_rl.tasks import build_task, build_tokenizer
+from moe_rl.tasks import build_task
 
 
 def sft_batch(problems, task, tokenizer, device):
@@ -77,7 +77,7 @@ def sft(cfg: SFTConfig) -> Path:
     device = resolve_device(cfg.device)
     run = RunDir(cfg.out_dir, cfg, seed=cfg.seed, device=device)
     with run, run.open_metrics() as metrics:
-        tokenizer = build_tokenizer()
+        tokenizer = build_model_tokenizer(cfg.model)
         task = build_task(cfg.task, tokenizer)
         model = build_model(cfg.model, device, cfg.seed, None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),

@@ -45,7 +45,7 @@ import torch
 
 from moe_rl import distributed
 from moe_rl.advantages import group_advantages, reward_stats, zero_std_groups
-from moe_rl.build import build_model, make_optimizer, resolve_device
+from moe_rl.build import build_model, build_model_tokenizer, make_optimizer, resolve_device
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.masked import masked_mean, masked_sum
@@ -60,7 +60,7 @@ from moe_rl.runs.checkpoint import load_latest, restore_training_state, save_che
 from moe_rl.runs.runlog import RunDir, write_table
 from moe_rl.runs.trackers import make_trackers
 from moe_rl.signals import entropy_from_logits, ratio_signals
-from moe_rl.tasks import build_task, build_tokenizer
+from moe_rl.tasks import build_task
 
 ROUTING_TABLE_KEYS = ("update", "minibatch", "probe", "layer")  # a routing/ table row, reduced over ranks
 
@@ -98,7 +98,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         self.out_dir = Path(cfg.out_dir)  # rank 0 writes here; every rank reads checkpoints from here
-        self.tokenizer = build_tokenizer()
+        self.tokenizer = build_model_tokenizer(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer)
         self.spec = get_objective(cfg.objective.name)
         self.objective_cfg = replace(cfg.objective, max_response_len=cfg.objective.max_response_len
@@ -346,7 +346,7 @@ class Trainer:
             t2 = time.perf_counter()
             prober = Prober(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed, self.step)
             rollout_metrics.update(prober.start(self.model, self.updates, old.native, old.router_entropy_LBS,
-                                                cfg.model.n_experts))
+                                                self.model.moe_layers()[0].n_experts))
             rollout_metrics.update({"time/old_pass": t2 - t1, "time/rollout_probes": time.perf_counter() - t2})
         rollout_metrics["time/rollout"] = t1 - t0
         if self._eval_due() and distributed.is_main():

@@ -1,4 +1,4 @@
-"""The one config of the native MoE transformer, documented field by field.
+"""The one model config, documented field by field: the native MoE transformer, or a Hugging Face MoE model.
 
 tyro turns the docstring under each field into `--help` text, so this file is the reference for every
 architecture knob. Validation happens at construction: a bad value names its field.
@@ -7,17 +7,34 @@ architecture knob. Validation happens at construction: a bad value names its fie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
 DISPATCH_MODES = ("grouped", "loop")
+# Hugging Face MoE families with routing instruments (moe_rl.model.hf.families): transformers' model_type names.
+HFFamily = Literal["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"]
+HF_FAMILIES: tuple[str, ...] = get_args(HFFamily)
 # Fields that do not change what the weights mean: a checkpoint loads into a config that differs only in these.
 NON_ARCHITECTURE_FIELDS = ("aux_loss_coef", "z_loss_coef", "dispatch", "max_seq_len", "init_std")
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of the native MoE transformer (decoder-only, pre-norm, RoPE, GQA, SwiGLU experts)."""
+    """Architecture of the native MoE transformer (decoder-only, pre-norm, RoPE, GQA, SwiGLU experts), or which
+    Hugging Face MoE model to use instead (backend, hf_config, hf_path)."""
+
+    backend: Literal["native", "hf"] = "native"
+    """native: moe-rl's own MoE transformer. hf: a Hugging Face transformers MoE causal LM (set hf_config or
+    hf_path), with every router brought under the same routing contract (README, "Bring your own MoE")."""
+    hf_config: HFFamily | None = None
+    """With backend hf: a tiny random model of this family (qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3,
+    gpt_oss), sized by the fields below (d_model, n_layers, n_heads, n_kv_heads, n_experts, top_k, d_expert,
+    d_dense, vocab_size) for CPU and the character tokenizer."""
+    hf_path: str | None = None
+    """With backend hf: a local checkpoint directory written by `save_pretrained` (config.json and weights, and
+    a tokenizer used for the task prompts if it has one). Its own config fixes the architecture; of the fields
+    below only aux_loss_coef, z_loss_coef and max_seq_len apply."""
 
     vocab_size: int = 99
     """Number of token ids; must cover the tokenizer's vocabulary (99 for the character tokenizer)."""
@@ -68,6 +85,7 @@ class ModelConfig:
             check_positive(field, getattr(self, field), allow_zero=True)
         check_positive("norm_eps", self.norm_eps)
         check_choice("dispatch", self.dispatch, DISPATCH_MODES)
+        self._check_backend()
         if self.top_k > self.n_experts:
             raise ConfigError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
         if self.d_model % self.n_heads:
@@ -78,6 +96,16 @@ class ModelConfig:
             raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for rotary embeddings")
         if self.moe_every > self.n_layers:
             raise ConfigError(f"moe_every={self.moe_every} must be <= n_layers={self.n_layers} (else no MoE layer)")
+
+    def _check_backend(self) -> None:
+        check_choice("backend", self.backend, ("native", "hf"))
+        if self.hf_config is not None:
+            check_choice("hf_config", self.hf_config, HF_FAMILIES)
+        if self.backend == "native" and (self.hf_config or self.hf_path):
+            raise ConfigError("hf_config / hf_path need backend='hf' (--model.backend hf)")
+        if self.backend == "hf" and (self.hf_config is None) == (self.hf_path is None):
+            raise ConfigError("backend='hf' needs exactly one of hf_config (a tiny random model of a family) or "
+                              "hf_path (a local checkpoint directory)")
 
     @property
     def head_dim(self) -> int:

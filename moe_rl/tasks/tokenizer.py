@@ -70,3 +70,43 @@ class CharTokenizer:
                 raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
             chars.append(_CHARS[token - _SPECIALS])
         return "".join(chars)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the Tokenizer protocol (`tokenizer` is a transformers tokenizer object).
+
+    Special ids: EOS is required; a tokenizer without BOS (Qwen's) starts prompts with EOS, as GPT-2 style models
+    do; PAD falls back to UNK. PAD must differ from BOS and EOS, because batching tells padding apart by its id.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size = len(tokenizer)
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} has no EOS token")
+        self.eos_id = tokenizer.eos_token_id
+        self.bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.unk_token_id
+        if pad is None or pad in (self.bos_id, self.eos_id):
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} needs a PAD (or UNK) token distinct from BOS "
+                             f"and EOS; got pad={pad}, bos={self.bos_id}, eos={self.eos_id}")
+        self.pad_id = pad
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids without special tokens. Raises ValueError if the text needs the unknown token."""
+        ids = self._tok.encode(text, add_special_tokens=False)
+        unk = self._tok.unk_token_id
+        if unk is not None and unk in ids and (self._tok.unk_token or "") not in text:
+            raise ValueError(f"text {text[:40]!r} has characters the tokenizer maps to its unknown token")
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text up to the first EOS; PAD and BOS are skipped."""
+        kept = []
+        for token in ids:
+            token = int(token)
+            if token == self.eos_id:
+                break
+            if token not in (self.pad_id, self.bos_id):
+                kept.append(token)
+        return self._tok.decode(kept, clean_up_tokenization_spaces=False)
