@@ -12,9 +12,10 @@ from typing import Literal, get_args
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
 DISPATCH_MODES = ("grouped", "loop")
+Backend = Literal["native", "hf"]
 # Hugging Face MoE families with routing instruments (moe_rl.model.hf.families): transformers' model_type names.
 HFFamily = Literal["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"]
-HF_FAMILIES: tuple[str, ...] = get_args(HFFamily)
+BACKENDS, HF_FAMILIES = get_args(Backend), get_args(HFFamily)
 # Fields that do not change what the weights mean: a checkpoint loads into a config that differs only in these.
 NON_ARCHITECTURE_FIELDS = ("aux_loss_coef", "z_loss_coef", "dispatch", "max_seq_len", "init_std")
 
@@ -24,7 +25,7 @@ class ModelConfig:
     """Architecture of the native MoE transformer (decoder-only, pre-norm, RoPE, GQA, SwiGLU experts), or which
     Hugging Face MoE model to use instead (backend, hf_config, hf_path)."""
 
-    backend: Literal["native", "hf"] = "native"
+    backend: Backend = "native"
     """native: moe-rl's own MoE transformer. hf: a Hugging Face transformers MoE causal LM (set hf_config or
     hf_path), with every router brought under the same routing contract (README, "Bring your own MoE")."""
     hf_config: HFFamily | None = None
@@ -98,8 +99,8 @@ class ModelConfig:
             raise ConfigError(f"moe_every={self.moe_every} must be <= n_layers={self.n_layers} (else no MoE layer)")
 
     def _check_backend(self) -> None:
-        check_choice("backend", self.backend, ("native", "hf"))
-        if self.hf_config is not None:
+        check_choice("backend", self.backend, BACKENDS)
+        if self.hf_config is not None:  # the CLI checks the Literal types; a config built in Python is checked here
             check_choice("hf_config", self.hf_config, HF_FAMILIES)
         if self.backend == "native" and (self.hf_config or self.hf_path):
             raise ConfigError("hf_config / hf_path need backend='hf' (--model.backend hf)")
