@@ -59,11 +59,11 @@ def build_model_tokenizer(cfg: ModelConfig) -> Tokenizer:
     the character tokenizer. Its ids must fit the model's vocabulary."""
     if cfg.backend == "native" or cfg.hf_config is not None:
         return build_tokenizer()
-    from transformers import AutoConfig, AutoTokenizer
-
     from moe_rl.model.hf import checkpoint_model_type
 
-    checkpoint_model_type(cfg.hf_path)
+    checkpoint_model_type(cfg.hf_path)  # a one-line error for a missing directory, family or transformers
+    from transformers import AutoConfig, AutoTokenizer
+
     vocab = AutoConfig.from_pretrained(cfg.hf_path, local_files_only=True).vocab_size
     if _has_tokenizer(cfg.hf_path):
         try:

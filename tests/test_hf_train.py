@@ -7,8 +7,8 @@ import string
 
 import pytest
 import torch
-
 from conftest import metric_lines
+
 from moe_rl.build import build_model_tokenizer
 from moe_rl.cli import main
 from moe_rl.errors import ConfigError

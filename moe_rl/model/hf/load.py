@@ -15,12 +15,19 @@ from moe_rl.model.hf.families import FAMILIES, tiny_hf_config
 from moe_rl.model.hf.model import HFMoEModel
 
 
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("backend 'hf' needs transformers 5.x: pip install 'moe-rl[hf]'") from None
+    return transformers
+
+
 def tiny_hf_model(family: str, cfg: ModelConfig) -> HFMoEModel:
     """A random-init model of `family` with `cfg`'s sizes (seed torch first for a reproducible init)."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_config(tiny_hf_config(family, cfg), attn_implementation="eager",
-                                                dtype=torch.float32)
+    transformers = _transformers()
+    hf_model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, cfg), attn_implementation="eager",
+                                                             dtype=torch.float32)
     if family == "deepseek_v3":
         # The correction bias is a buffer (zero at init, moved by load statistics in DeepSeek's training). A random
         # one makes the tiny model's choice differ from the plain top-k, as in a trained checkpoint.
@@ -35,9 +42,7 @@ def checkpoint_model_type(path: str) -> str:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"hf_path={path} has no config.json: expected a directory written by save_pretrained")
-    from transformers import AutoConfig
-
-    model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+    model_type = _transformers().AutoConfig.from_pretrained(path, local_files_only=True).model_type
     if model_type not in FAMILIES:
         raise ConfigError(f"hf_path={path}: model_type {model_type!r} is not a supported MoE family; "
                           f"supported: {', '.join(FAMILIES)}")
@@ -46,10 +51,8 @@ def checkpoint_model_type(path: str) -> str:
 
 def pretrained_hf_model(path: str, cfg: ModelConfig) -> HFMoEModel:
     """The checkpoint in `path` (fp32 weights; bf16 autocast on GPU as for the native model)."""
-    from transformers import AutoModelForCausalLM
-
     checkpoint_model_type(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    hf_model = _transformers().AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return HFMoEModel(hf_model, cfg)
 
 

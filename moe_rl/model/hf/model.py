@@ -19,10 +19,10 @@ from torch import nn
 
 from moe_rl.errors import ConfigError, RoutingError
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.layers import positions_from_mask
-from moe_rl.model.moe import load_balancing_loss, router_z_loss
 from moe_rl.model.hf.families import FAMILIES, Family
 from moe_rl.model.hf.sites import HFRouterSite
+from moe_rl.model.layers import positions_from_mask
+from moe_rl.model.moe import load_balancing_loss, router_z_loss
 from moe_rl.model.transformer import ModelOutput
 
 
