@@ -82,10 +82,10 @@ class HFRouterSite:
         if replay_TK is not None:
             ids_TK = replay_TK.to(native_ids_TK.device).long()
             weights_TK = self.family.gate(router, logits_TE, ids_TK)
-        routing = HFRouterOutput(
-            weights_TK, ids_TK, self.family.scores(router, logits_TE), logits_TE.float(), native_ids_TK,
-            self.family.choice(router, logits_TE.detach()),
-        )
+        scores_TE = self.family.scores(router, logits_TE)
+        same = self.family.choice is self.family.scores  # the softmax families rank by their distribution
+        choice_TE = scores_TE.detach() if same else self.family.choice(router, logits_TE.detach())
+        routing = HFRouterOutput(weights_TK, ids_TK, scores_TE, logits_TE.float(), native_ids_TK, choice_TE)
         if session is not None:
             session.observe(self.moe_index, routing, B, S)
         if torch.is_grad_enabled():
