@@ -132,3 +132,15 @@ def test_an_unsupported_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert moe_rl("train", "--out-dir", tmp_path / "run2", "--model.backend", "hf", "--model.hf-path",
                   tmp_path / "nothing", *STEP) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_hf_tokenizer_special_ids_fall_back_and_collisions_are_refused():
+    from transformers import PreTrainedTokenizerFast
+
+    base = _bpe_tokenizer()
+    no_bos = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="</s>", unk_token="<unk>")
+    tokenizer = HFTokenizer(no_bos)  # Qwen-style: no BOS, no PAD
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (2, 2, 3)  # BOS = EOS, PAD = UNK
+    clash = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="</s>", pad_token="</s>")
+    with pytest.raises(ValueError, match="PAD .* distinct from BOS and EOS"):
+        HFTokenizer(clash)
