@@ -1,6 +1,6 @@
-"""FSDP2 (`--parallel fsdp2`) on CPU with gloo: one sharded update over two ranks equals the single-process update,
-R2 replay on the sharded model reproduces the old pass's log-probs (and a shifted routing changes them while the
-router keeps its gradient), the real command trains with every probe and checkpoints whole tensors, and a resume
+"""FSDP2 (`--parallel fsdp2`) on CPU with gloo: one sharded update over two ranks equals the single-process update
+and its probes read what DDP's read, R2 replay on the sharded model reproduces the old pass's log-probs (and a shifted routing changes them while the
+router keeps its gradient), ranks sample different lengths on it, the real command trains with every probe and checkpoints whole tensors, and a resume
 continues bit for bit."""
 
 import faulthandler
@@ -19,7 +19,9 @@ from moe_rl.build import build_model
 from moe_rl.errors import ConfigError
 from moe_rl.objectives import ObjectiveConfig
 from moe_rl.policy import policy_forward
-from moe_rl.routing import RoutingTrace
+from moe_rl.probes import ProbeConfig
+from moe_rl.rollout import SamplingConfig, generate
+from moe_rl.routing import RoutingTrace, record_routing
 from moe_rl.runs.runlog import read_manifest, read_tables
 from test_distributed import (
     EQUIVALENCE_MODEL,
@@ -35,8 +37,8 @@ from test_distributed import (
 ROWS = (range(0, 8), range(8, 16))  # rank 0's and rank 1's rows of the 16-row batch
 
 
-def _fsdp2_config(out_dir):
-    return replace(_equivalence_config(out_dir, "grpo"), parallel="fsdp2")
+def _probed_config(out_dir, parallel: str):
+    return replace(_equivalence_config(out_dir, "grpo"), parallel=parallel, probes=ProbeConfig())
 
 
 def _replay_check(batch, rows) -> dict:
@@ -50,9 +52,24 @@ def _replay_check(batch, rows) -> dict:
     out = policy_forward(model, rows, 1.0, replay=shifted)
     (out.logp_BN * rows.response_mask_BN).sum().backward()
     router_grad = model.blocks[0].ffn.router.gate.weight.grad
-    return {"replay_equal": torch.equal(again.logp_BN, old.logp_BN),
+    return {**_sampling_check(model, rows),"replay_equal": torch.equal(again.logp_BN, old.logp_BN),
             "shifted_diff": (out.logp_BN.detach() - old.logp_BN).abs().max().item(),
             "router_grad_norm": distributed.scalar(router_grad.norm())}
+
+
+def _sampling_check(model, rows) -> dict:
+    """Ranks sampling different numbers of tokens on the sharded model (inside full_parameters), the sampler's
+    stitched routing equal to a sharded full forward's."""
+    rank = dist.get_rank()
+    prompt_BP = rows.input_ids_BS[:4, :rows.prompt_len]
+    valid_BP = rows.input_valid_BS[:4, :rows.prompt_len]
+    with torch.no_grad(), distributed.full_parameters(model):
+        gen = generate(model, prompt_BP, valid_BP, SamplingConfig(max_new_tokens=2 + 3 * rank), eos_id=-1, pad_id=0,
+                       generator=torch.Generator().manual_seed(rank), record=True)
+    with torch.no_grad(), record_routing(model) as recorder:
+        model(gen.input_ids_BS, gen.input_valid_BS)
+    return {"sampled": gen.response_BN.shape[1], "stitched_equal": torch.equal(gen.routing.ids_LBSK,
+                                                                               recorder.trace().ids_LBSK)}
 
 
 def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
@@ -62,7 +79,8 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
     try:
         batch = torch.load(f"{tmp}/batch.pt", weights_only=False)
         rows = batch.rows(torch.tensor(list(ROWS[rank]), dtype=torch.long))
-        _train_on(rows, _fsdp2_config(f"{tmp}/fsdp2"))
+        _train_on(rows, _probed_config(f"{tmp}/fsdp2", "fsdp2"))
+        _train_on(rows, _probed_config(f"{tmp}/ddp", "ddp"))  # the same update, replicated: probes must agree
         Path(f"{tmp}/replay_{rank}.json").write_text(json.dumps(_replay_check(batch, rows)))
         dist.barrier()
     finally:
@@ -74,7 +92,7 @@ def test_one_fsdp2_update_over_two_ranks_equals_the_single_process_update(tmp_pa
     batch = _fixed_batch(tmp_path / "batch.pt")
     initial = build_model(EQUIVALENCE_MODEL, torch.device("cpu"), seed=0, init_from=None).state_dict()
     _spawn(_fsdp_worker, (2, str(tmp_path)))
-    single = _train_on(batch.rows(torch.arange(16)), _equivalence_config(tmp_path / "single", "grpo"))
+    single = _train_on(batch.rows(torch.arange(16)), _probed_config(tmp_path / "single", "ddp"))
     one = torch.load(single / "checkpoints" / "latest.pt", weights_only=True)["model"]
     two = torch.load(tmp_path / "fsdp2" / "checkpoints" / "latest.pt", weights_only=True)
     assert two["parallel"] == "fsdp2" and two["world_size"] == 2
@@ -83,9 +101,15 @@ def test_one_fsdp2_update_over_two_ranks_equals_the_single_process_update(tmp_pa
     update = max((one[name] - initial[name]).abs().max().item() for name in one)
     print(f"FSDP2 grpo rows 8/8: max |update| {update:.3g}, max |single - FSDP2| {max_diff:.3g}")
     assert max_diff <= PARAM_ATOL and update > 1e4 * PARAM_ATOL
+    (fsdp2_line,), (ddp_line,) = metric_lines(tmp_path / "fsdp2"), metric_lines(tmp_path / "ddp")
+    routing = {k: v for k, v in fsdp2_line.items() if k.startswith("routing/")}
+    assert routing == {k: v for k, v in ddp_line.items() if k.startswith("routing/")}
+    assert routing["routing/update/churn"] > 0 and routing["routing/noise/churn"] == 0.0
+    assert fsdp2_line["update/kl"] == pytest.approx(ddp_line["update/kl"], rel=1e-4)
     for rank in range(2):
         replay = json.loads((tmp_path / f"replay_{rank}.json").read_text())
         assert replay["replay_equal"] and replay["shifted_diff"] > 1e-3 and replay["router_grad_norm"] > 0
+        assert replay["sampled"] == 2 + 3 * rank and replay["stitched_equal"]
 
 
 FSDP2_ARGS = ["--out-dir", "run", "--total-steps", "2", "--minibatches", "2", "--checkpoint-every", "1",
