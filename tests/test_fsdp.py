@@ -12,17 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import metric_lines
-from moe_rl import distributed
-from moe_rl.build import build_model
-from moe_rl.errors import ConfigError
-from moe_rl.objectives import ObjectiveConfig
-from moe_rl.policy import policy_forward
-from moe_rl.probes import ProbeConfig
-from moe_rl.rollout import SamplingConfig, generate
-from moe_rl.routing import RoutingTrace, record_routing
-from moe_rl.runs.runlog import read_manifest, read_tables
 from test_distributed import (
     EQUIVALENCE_MODEL,
     PARAM_ATOL,
@@ -34,7 +24,17 @@ from test_distributed import (
     _train_on,
 )
 
-ROWS = (range(0, 8), range(8, 16))  # rank 0's and rank 1's rows of the 16-row batch
+from moe_rl import distributed
+from moe_rl.build import build_model
+from moe_rl.errors import ConfigError
+from moe_rl.objectives import ObjectiveConfig
+from moe_rl.policy import policy_forward
+from moe_rl.probes import ProbeConfig
+from moe_rl.rollout import SamplingConfig, generate
+from moe_rl.routing import RoutingTrace, record_routing
+from moe_rl.runs.runlog import read_manifest, read_tables
+
+ROWS = (range(8), range(8, 16))  # rank 0's and rank 1's rows of the 16-row batch
 
 
 def _probed_config(out_dir, parallel: str):
@@ -151,7 +151,7 @@ def test_torchrun_fsdp2_resume_continues_exactly(fsdp2_run, tmp_path):
     shutil.copy(resumed / "checkpoints" / "step_000001.pt", resumed / "checkpoints" / "latest.pt")
     out = _torchrun("-m", "moe_rl.cli", "train", *FSDP2_ARGS, "--resume", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-8000:]
-    strip = lambda lines: [{k: v for k, v in line.items() if not k.startswith("time/") and k != "wall_time"}  # noqa
+    strip = lambda lines: [{k: v for k, v in line.items() if not k.startswith("time/") and k != "wall_time"}
                            for line in lines]
     assert strip(metric_lines(resumed)) == strip(metric_lines(fsdp2_run))
     final, again = (torch.load(run / "checkpoints" / "latest.pt", weights_only=True)["model"]

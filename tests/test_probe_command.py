@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import metric_lines, tiny_train_config
+
 from moe_rl.cli import main
 from moe_rl.config import OptimConfig, RolloutConfig
 from moe_rl.model import ModelConfig
@@ -15,8 +15,8 @@ from moe_rl.rollout import SamplingConfig, encode_prompts, generate
 from moe_rl.router_margin import margin_churn, topk_margin_T
 from moe_rl.routing import RoutingTrace
 from moe_rl.tasks import CharTokenizer
-from moe_rl.train import train
 from moe_rl.traces import requests_from_trace, write_engine_trace
+from moe_rl.train import train
 
 ROLLOUT = RolloutConfig(prompts_per_step=4, group_size=4, sampling=SamplingConfig(max_new_tokens=6))
 OPTIM = OptimConfig(lr=3e-3)

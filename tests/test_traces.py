@@ -5,8 +5,8 @@ and mismatched traces are refused naming the file, the request and the layer."""
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from moe_rl.errors import DataError, RoutingError
 from moe_rl.rollout import SamplingConfig, encode_prompts, generate
 from moe_rl.tasks import CharTokenizer
@@ -28,7 +28,7 @@ def model_and_requests():
     model = tiny_model(vocab_size=99).eval()
     tok = CharTokenizer()
     ids, valid = encode_prompts(PROMPTS, tok, "cpu")
-    sample = lambda eos: generate(model, ids, valid, SamplingConfig(max_new_tokens=7), eos, tok.pad_id,  # noqa
+    sample = lambda eos: generate(model, ids, valid, SamplingConfig(max_new_tokens=7), eos, tok.pad_id,
                                   torch.Generator().manual_seed(3), record=True)
     # A random model rarely samples EOS; taking a token it samples early as "EOS" gives outputs of unequal lengths.
     first = sample(tok.eos_id)
@@ -96,7 +96,7 @@ def _brute_force(engine, trainer, response_only=False):
                 any_layer |= a != b
                 per_layer.setdefault(layer, []).append(1 - len(a & b) / K)
             tokens_changed.append(any_layer)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     return mean(slots), mean(changed), mean(tokens_changed), [mean(per_layer[l]) for l in sorted(per_layer)]
 
 
