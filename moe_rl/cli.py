@@ -4,6 +4,7 @@ every field).
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
     moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config, flags override its fields
+    moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
     moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
@@ -41,6 +42,12 @@ def _sft():
     return SFTConfig, sft
 
 
+def _probe():
+    from moe_rl.probe import ProbeCommandConfig, probe
+
+    return ProbeCommandConfig, probe
+
+
 def _sweep():
     from functools import partial
 
@@ -60,6 +67,8 @@ def _report():
 COMMANDS: dict[str, Command] = {
     "sft": Command("supervised warm start on task solutions (writes a checkpoint for --init-from)", _sft),
     "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
+    "probe": Command("routing churn and router margins per update from a checkpoint, or engine trace vs trainer",
+                     _probe),
     "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_rl.distributed import PARALLEL_MODES
 from moe_rl.errors import ConfigError, check_choice, check_positive
 from moe_rl.model import ModelConfig
-from moe_rl.objectives import ObjectiveConfig
+from moe_rl.objectives import ObjectiveConfig, get_objective
 from moe_rl.probes import ProbeConfig
 from moe_rl.rollout import SamplingConfig
 from moe_rl.tasks import TaskConfig
@@ -115,6 +116,9 @@ class TrainConfig:
     """auto (cuda if available), cpu or cuda. On cuda the model runs under bf16 autocast; on cpu in fp32."""
     threads: int = 1
     """torch CPU threads; 1 is fastest for tiny models on small machines (README, "Threads")."""
+    parallel: str = "ddp"
+    """Under torchrun: 'ddp' replicates the model on every rank; 'fsdp2' shards parameters, gradients and optimizer
+    state over the ranks (fully_shard per decoder block). No effect in a single process."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -126,6 +130,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
         check_choice("device", self.device, DEVICES)
+        check_choice("parallel", self.parallel, PARALLEL_MODES)
         for name in ("total_steps", "minibatches", "checkpoint_every", "threads"):
             check_positive(name, getattr(self, name))
         check_positive("kl_coef", self.kl_coef, allow_zero=True)
@@ -144,6 +149,11 @@ class TrainConfig:
             raise ConfigError(
                 f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by the number of "
                 f"data-parallel ranks ({ranks}): every rank samples an equal share of each step's prompts"
+            )
+        if self.parallel == "fsdp2" and ranks > 1 and get_objective(self.objective.name).drop_zero_std_groups:
+            raise ConfigError(
+                f"objective.name={self.objective.name!r} drops groups, so ranks can be left with fewer minibatches "
+                "than others; under parallel='fsdp2' every rank must run the same forwards. Use parallel='ddp'"
             )
         rank_rows = self.rollout.prompts_per_step // ranks * self.rollout.group_size
         if rank_rows % self.minibatches:

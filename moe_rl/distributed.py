@@ -8,6 +8,10 @@ small collectives per step; rank 0 alone writes the run directory. A plain `pyth
 with one process, creates no process group: every helper here then answers for a world of one and exchanges nothing,
 so a single-process run computes exactly what it computed before this module existed.
 
+`--parallel fsdp2` shards the model instead of replicating it (FSDP2, `fully_shard` per decoder block, see the
+section below): the same data-parallel split of rows, losses and metrics, but each rank holds 1/W of the parameters,
+gradients and optimizer state between forwards. Checkpoints then hold the whole (unsharded) state, saved by rank 0.
+
 Backend: NCCL when the trainer runs on CUDA (rank r on cuda:LOCAL_RANK), gloo on CPU. Every rank reads and writes the
 same run directory path, so all ranks of a multi-node job need one shared file system.
 
@@ -41,9 +45,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+PARALLEL_MODES = ("ddp", "fsdp2")
 # Rank r draws from generators seeded seed + offset + r * stride: distinct streams per rank, and rank 0 keeps the
 # seeds of a single-process run.
 RANK_SEED_STRIDE = 104_729
@@ -207,6 +220,15 @@ def _reduce(how: str, values: list[Any]) -> Any:
 # The model
 
 
+def parallelize(model: torch.nn.Module, device: torch.device, mode: str = "ddp",
+                find_unused_parameters: bool = False) -> torch.nn.Module:
+    """The module training forwards go through, by `mode`: 'ddp' wraps `model` (`data_parallel`); 'fsdp2' shards
+    `model` itself in place (`shard_fsdp2`) and returns it. Outside a process group: `model`, untouched."""
+    if mode == "fsdp2" and active():
+        return shard_fsdp2(model)
+    return data_parallel(model, device, find_unused_parameters)
+
+
 def data_parallel(model: torch.nn.Module, device: torch.device, find_unused_parameters: bool = False):
     """The module training forwards go through: `model` wrapped in DDP inside a process group, else `model` itself.
 
@@ -222,3 +244,81 @@ def data_parallel(model: torch.nn.Module, device: torch.device, find_unused_para
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside a DDP wrapper (or `model` itself): the one routing sessions attach to."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FSDP2: parameters, gradients and optimizer state sharded over the ranks
+#
+# `fully_shard` per decoder block, then on the root (embedding, final norm, output head): a block's parameters are
+# all-gathered just before its forward and freed after it, and its gradients reduce-scattered in backward, so each
+# rank holds 1/W of the weights, gradients and AdamW moments between forwards. Routing sessions attach to the MoE
+# layers as plain attributes and FSDP2 keeps the module objects, so record, replay and every probe work unchanged.
+# Every rank must run the same sequence of forwards: the old pass, updates and probes do (equal row chunks on every
+# rank); sampling does not (a rank stops when its completions end), so it runs inside `full_parameters`.
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units FSDP2 shards one by one: `model.decoder_blocks()` where a backend defines it (a wrapped Hugging
+    Face model), else the native `model.blocks`."""
+    if hasattr(model, "decoder_blocks"):
+        return list(model.decoder_blocks())
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    raise TypeError(f"{type(model).__name__} exposes neither decoder_blocks() nor blocks; FSDP2 cannot shard it")
+
+
+def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` in place over the process group: each decoder block, then the root. Build the optimizer after
+    this (its parameters become DTensors)."""
+    for block in decoder_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def full_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block a sharded model keeps all of its parameters gathered, so its forwards exchange nothing and
+    ranks may run different numbers of them (sampling, which stops when a rank's completions end). Every rank must
+    enter and leave together. A model that is not sharded: nothing happens."""
+    if not is_sharded(model):
+        yield
+        return
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts with every tensor whole, as one process would hold them; a collective under
+    FSDP2 (every rank calls it; rank 0 saves). The optimizer's state is keyed by parameter name."""
+    return (get_model_state_dict(model, options=FULL_STATE),
+            get_optimizer_state_dict(model, optimizer, options=FULL_STATE))
+
+
+def load_full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                          optimizer_state: dict) -> None:
+    """Load whole state dicts (from `full_state_dicts`) into a sharded model and its optimizer: each rank keeps its
+    shard. Every rank passes the same dicts."""
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def scalar(x: torch.Tensor) -> float:
+    """A 0-d tensor's value; a DTensor (FSDP2's gradient norm) is made whole first."""
+    return (x.full_tensor() if hasattr(x, "full_tensor") else x).item()

@@ -29,6 +29,7 @@ ours, and the reference model for the optional KL is the initial policy.
     moe-rl train --objective.name gspo --routing-mode R3 --device cuda ...                   # one GPU (bf16)
     torchrun --standalone --nproc_per_node=8 -m moe_rl.cli train --device cuda ...           # many GPUs (DDP, NCCL)
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m moe_rl.cli train --device cpu ...   # DDP, gloo
+    torchrun --standalone --nproc_per_node=8 -m moe_rl.cli train --parallel fsdp2 --device cuda ...   # sharded (FSDP2)
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class OldPass:
 class Trainer:
     """The live objects of one run and the RL step. `train(cfg)` is the entry point."""
 
+    prober_factory = Prober  # `moe-rl probe` substitutes a Prober that also measures router margins
+
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         self.out_dir = Path(cfg.out_dir)  # rank 0 writes here; every rank reads checkpoints from here
@@ -107,7 +110,8 @@ class Trainer:
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         # Training forwards go through DDP under torchrun; sampling, the old pass and probes use self.model, no grad.
         # The loop dispatch skips experts without tokens, so DDP must look for parameters without a gradient.
-        self.train_model = distributed.data_parallel(self.model, device, cfg.model.dispatch == "loop")
+        # --parallel fsdp2 shards self.model in place instead (moe_rl.distributed, FSDP2).
+        self.train_model = distributed.parallelize(self.model, device, cfg.parallel, cfg.model.dispatch == "loop")
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg.optim)
         seed = distributed.rank_seed(cfg.seed)
         self.generators = {name: torch.Generator().manual_seed(seed + offset)
@@ -126,12 +130,15 @@ class Trainer:
     def save(self) -> None:
         """Rank 0 saves; every rank must call this, since the checkpoint holds every rank's generator states."""
         generators_by_rank = distributed.gather_objects({name: g.get_state() for name, g in self.generators.items()})
+        full = distributed.full_state_dicts(self.model, self.optimizer) if self.sharded else None  # a collective
         if not distributed.is_main():
             return
         state = training_state(self.model, self.optimizer, scheduler=self.scheduler,
                                data_position=self.step * self.cfg.rollout.prompts_per_step,
                                generators=self.generators)
         state.update(updates=self.updates, model_config=asdict(self.cfg.model), world_size=len(generators_by_rank))
+        if full is not None:
+            state.update(model=full[0], optimizer=full[1], parallel="fsdp2")
         if len(generators_by_rank) > 1:
             state["generators_by_rank"] = generators_by_rank
         if self.ref_model is not None:
@@ -148,6 +155,9 @@ class Trainer:
                 f"each rank's sampling stream continues only on as many ranks (torchrun --nproc_per_node={saved}, "
                 "or no torchrun for 1). Start a new run to change the number of ranks"
             )
+        if self.sharded:  # whole tensors in the file; each rank keeps its shard, then the rest restores as usual
+            distributed.load_full_state_dicts(self.model, self.optimizer, state["model"], state["optimizer"])
+            state = {**state, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         self.step = restore_training_state(state, self.model, self.optimizer, scheduler=self.scheduler,
                                            generators=self.generators)
         if saved > 1:  # the generators restored above are rank 0's
@@ -168,9 +178,10 @@ class Trainer:
         record = cfg.routing_mode == "R3" or "rollout" in cfg.probes.enabled
         self.model.eval()
         try:
-            gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
-                                                          cfg.rollout.group_size, cfg.rollout.sampling,
-                                                          self.generators["sample"], record)
+            with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
+                gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
+                                                              cfg.rollout.group_size, cfg.rollout.sampling,
+                                                              self.generators["sample"], record)
         except FloatingPointError as err:
             raise Diverged(f"{err} at step {self.step}") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
@@ -286,7 +297,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        return distributed.scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def idle_update(self) -> dict:
         """This rank's part of an update for which it has no rows (DAPO dropped them). DDP's all-reduce needs every
@@ -344,12 +355,13 @@ class Trainer:
             old = self.old_pass(batch, chunks)
             rollout_metrics.update(sampler_mismatch(batch, old.logp_BN))
             t2 = time.perf_counter()
-            prober = Prober(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed, self.step)
+            prober = self.prober_factory(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed,
+                                         self.step)
             rollout_metrics.update(prober.start(self.model, self.updates, old.native, old.router_entropy_LBS,
                                                 self.model.moe_layers()[0].n_experts))
             rollout_metrics.update({"time/old_pass": t2 - t1, "time/rollout_probes": time.perf_counter() - t2})
         rollout_metrics["time/rollout"] = t1 - t0
-        if self._eval_due() and distributed.is_main():
+        if self._eval_due() and self.evaluates_here:
             rollout_metrics.update(self.evaluate())
         rollout_metrics = distributed.reduce_metrics(rollout_metrics)
         for j in range(n_updates):
@@ -370,6 +382,15 @@ class Trainer:
                 write_table(self.out_dir, "routing", self.step, tables)
             if chunks:
                 self._write_samples(batch)
+
+    @property
+    def sharded(self) -> bool:
+        return distributed.is_sharded(self.model)
+
+    @property
+    def evaluates_here(self) -> bool:
+        """Rank 0 evaluates; under FSDP2 every rank does (gathering the parameters is a collective)."""
+        return distributed.is_main() or self.sharded
 
     def _eval_due(self) -> bool:
         every = self.cfg.log.eval_every
@@ -393,8 +414,9 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Mean reward of one sampled completion per held-out prompt (fixed generator: comparable over steps)."""
-        return {"eval/reward": sampled_reward(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
-                                              self.cfg.log.eval_prompts, self.cfg.seed)}
+        with distributed.full_parameters(self.model):
+            return {"eval/reward": sampled_reward(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
+                                                  self.cfg.log.eval_prompts, self.cfg.seed)}
 
 
 def k3(ref_logp_BN, logp_BN, mask_BN) -> torch.Tensor:
@@ -501,7 +523,7 @@ def _loop(trainer: Trainer, write, run: RunDir | None) -> None:
                 run.mark_diverged(str(err))
             return
         trainer.step += 1
-        if trainer.step == cfg.total_steps and cfg.log.eval_every and distributed.is_main():
+        if trainer.step == cfg.total_steps and cfg.log.eval_every and trainer.evaluates_here:
             # The policy after the last update; step = total_steps marks "after training".
             write({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.total_steps:
