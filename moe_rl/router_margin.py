@@ -43,7 +43,8 @@ class MarginRecordSession(RecordSession):
         # A backend whose routers rank experts by something other than their gate scores (DeepSeek-V3: sigmoid plus
         # a selection-only bias, within the best groups) reports those as choice_TE; the margin is measured there.
         choice_TE = getattr(routing, "choice_TE", None)
-        margin_T = topk_margin_T((routing.scores_TE if choice_TE is None else choice_TE).detach(), routing.ids_TK.shape[1])
+        ranked_TE = routing.scores_TE if choice_TE is None else choice_TE
+        margin_T = topk_margin_T(ranked_TE.detach(), routing.ids_TK.shape[1])
         self._margins[layer].append(margin_T.view(batch, seq_len))
 
     def margin_LBS(self) -> torch.Tensor:
