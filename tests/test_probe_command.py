@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import metric_lines, tiny_train_config
+from conftest import TINY_MODEL, metric_lines, tiny_train_config
 
 from moe_rl.cli import main
 from moe_rl.config import OptimConfig, RolloutConfig
@@ -101,3 +101,21 @@ def test_trace_mode_from_the_command_line(checkpoint, tmp_path, capsys):
     assert main(["probe", "--checkpoint", str(checkpoint), "--trace", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "engine.parquet: request 1: the trace has 1 MoE layers but the model has 2" in err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_probe_on_each_hf_family_equals_the_training_loops_update_probe(tmp_path, family):
+    """A tiny random model of each Hugging Face family: `moe-rl probe`'s per-update churn is the trainer's."""
+    model = ModelConfig(**TINY_MODEL, backend="hf", hf_config=family)
+    rollout = RolloutConfig(prompts_per_step=2, group_size=4, sampling=SamplingConfig(max_new_tokens=6))
+    run = train(tiny_train_config(tmp_path / "train", total_steps=1, minibatches=2, seed=3, model=model,
+                                  rollout=rollout, optim=OPTIM))
+    rows = probe(ProbeCommandConfig(out=str(tmp_path / "probe"), updates=2, seed=3, device="cpu", rollout=rollout,
+                                    optim=OPTIM, model=model))
+    pooled = [row for row in rows if row["layer"] == "all"]
+    lines = metric_lines(run)
+    assert len(pooled) == len(lines) == 2
+    for row, line in zip(pooled, lines):
+        for name in ("churn", "set_change", "token_any"):
+            assert row[name] == line[f"routing/update/{name}"]
+    assert sum(row["churn"] for row in pooled) > 0
