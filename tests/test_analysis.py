@@ -18,8 +18,9 @@ import pandas as pd
 import pytest
 from conftest import TINY_MODEL, tiny_train_config
 
-from analysis.aggregate import (add_groups, bootstrap_ci, churn_vs_lr_depth, final_scores, group_keys, iqm,
-                                layer_churn, mean_ci)
+from analysis.aggregate import (add_groups, bootstrap_ci, final_scores, group_keys, iqm, layer_churn, mean_ci,
+                                run_finals)
+from analysis.cells import churn_vs_lr_depth
 from analysis.load import NoRunsError, load_runs
 from analysis.plots import FIGURES
 from analysis.report import ReportConfig, summary_markdown
@@ -173,10 +174,17 @@ def test_churn_vs_lr_depth_equals_a_direct_pandas_computation(runs_root):
     data = add_groups(data, group_keys(data))
     assert data.group_by == ["optim.lr", "model.n_layers"]
     table = churn_vs_lr_depth(data).set_index(["optim.lr", "model.n_layers"])
-    direct = data.metrics.groupby(["optim.lr", "model.n_layers"])[["routing/update/churn", "update/kl"]].mean()
+    keys = ["optim.lr", "model.n_layers"]
+    means = data.metrics.groupby(keys)[["routing/update/churn", "routing/update/set_change",
+                                        "routing/update/token_any"]].mean()
+    medians = data.metrics.groupby(keys)["update/kl"].median()  # one run per cell: the run's median
     assert len(table) == 3
-    assert np.allclose(table["churn_mean"], direct.loc[table.index, "routing/update/churn"])
-    assert np.allclose(table["update_kl_mean"], direct.loc[table.index, "update/kl"])
+    assert np.allclose(table["churn_mean"], means.loc[table.index, "routing/update/churn"])
+    assert np.allclose(table["set_change_mean"], means.loc[table.index, "routing/update/set_change"])
+    assert np.allclose(table["token_any_mean"], means.loc[table.index, "routing/update/token_any"])
+    assert np.allclose(table["kl_median_mean"], medians.loc[table.index])
+    assert (table["set_change_mean"] >= table["churn_mean"]).all()  # a changed slot changes its set
+    assert not table["learns"].any()  # one seed per cell: no CI, never "learns"
 
 
 # --- the command, end to end ------------------------------------------------------------------------------
