@@ -161,7 +161,7 @@ def fig_churn_vs_policy_change(data: RunSet, looks=None) -> Figure | None:
         if zeros:
             note(ax, f"{zeros} of {len(per_run)} runs read 0: hollow, at {100 * floor:.2g}%")
         ax.set_xlabel("median KL per update (nats, k3)")
-        ax.set_ylabel(f"{READING_LABELS[reading]} per update")
+        ax.set_ylabel(f"{READING_LABELS[reading]}\nper update")
         percent_axis(ax.yaxis)
         ax.xaxis.set_minor_formatter(NullFormatter())
     handles = [Line2D([], [], color=c, marker="o", linestyle="none", label=f"lr {lr:g}") for lr, c in colours.items()]

@@ -86,7 +86,8 @@ def format_lines(result: pd.DataFrame) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(CompareConfig, args=argv, description=__doc__.split("\n\n")[0])
+    cfg = tyro.cli(CompareConfig, args=argv, prog="python -m analysis.compare_committed",
+                   description=__doc__.split("\n\n")[0])
     try:
         result = compare(_read(cfg.new), _read(cfg.committed), cfg.metrics)
     except DataError as exc:

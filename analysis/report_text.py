@@ -74,6 +74,11 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
         lines.append(f"| {READING_LABELS[r['reading']]} | {r['driver_ref']:.3g} | "
                      f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} | {needed} | "
                      f"{r['dropped'] or 'none'} |")
+    n_terms = fit.groupby("reading")["estimate"].apply(lambda e: int(e.notna().sum())).max()
+    n_runs = int(fit["n_runs"].min())
+    if n_runs < 5 * n_terms:
+        lines += ["", f"Only {n_runs} runs for {n_terms} coefficients: the bootstrap intervals are optimistic and the "
+                  "extrapolation is a rough guide."]
     lines += ["", near_sentence(near), ""]
     return text + "\n".join(lines)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ LINESTYLES = ["-", "--", ":", "-."]
 
 def _rank(values: Sequence) -> list[int]:
     """Each value's index among the sorted distinct values (numbers as numbers, anything else as text)."""
-    distinct = sorted(set(values), key=lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)))
+    distinct = sorted(set(values), key=lambda v: (0, v, "") if isinstance(v, numbers.Number) else (1, 0, str(v)))
     return [distinct.index(v) for v in values]
 
 

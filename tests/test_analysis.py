@@ -210,10 +210,28 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
     assert {"reward", "routing/update/churn"} <= set(finals["metric"])
     for table in ("layer_churn", "churn_vs_lr_depth", "curves"):
         assert len(pd.read_csv(folder / "tables" / f"{table}.csv")), table
+    assert not any(str(v).startswith("/") for column in runs for v in runs[column])  # no machine's paths
+    assert (folder / runs.loc[runs["run"] == "diverged", "path"].item()).resolve() == runs_root / "diverged"
+    cells = pd.read_csv(folder / "tables" / "churn_vs_lr_depth.csv")
+    assert {"churn_mean", "set_change_mean", "token_any_mean", "kl_median_mean", "eval_gain_ci_low"} <= set(cells)
     readme = (folder / "README.md").read_text()
+    assert "## Cells: churn in both readings" in readme and "## Churn scaling fit" in readme
+    assert "| slot churn | set change | token any |" in readme
+    assert "stability: routing/rollout/churn (0 or not logged in every run)" in readme  # left out, and said so
     assert f"moe-rl report {runs_root} --out results/tiny --last-k 2" in readme
     assert "`objective.name`, `routing_mode`" in readme and '"grid"' not in readme  # root has no sweep.json
     assert "1 diverged" in readme
+
+
+def test_final_evaluation_is_the_one_after_training(sweep):
+    # Evaluations at steps 0 (before RL), 2 and 3 (after the last training step, 2); last_k=1: the window is
+    # step 2, so only the evaluation at step 3 counts.
+    finals = run_finals(sweep.steps, "eval/reward", last_k=1)
+    for run, steps in sweep.steps.groupby("run"):
+        evals = steps.dropna(subset=["eval/reward"]).set_index("step")["eval/reward"]
+        assert list(evals.index) == [0, 2, 3]
+        assert finals[run] == evals[3]
+        assert run_finals(sweep.steps, "eval/reward", last_k=2)[run] == pytest.approx(evals[[2, 3]].mean())
 
 
 def test_summary_names_the_command_and_the_sweep_config(sweep, runs_root):
