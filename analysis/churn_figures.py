@@ -26,7 +26,7 @@ from analysis.aggregate import summarize
 from analysis.cells import READING_LABELS, READINGS, run_summary
 from analysis.load import RunSet
 from analysis.panels import floor_zeros, log_if_wide, note, percent_axis
-from analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law
+from analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law, split_target
 from analysis.style import LINESTYLES, MARKERS, OKABE_ITO, in_paper_style, new_figure
 from moe_rl.errors import ConfigError
 
@@ -180,10 +180,11 @@ def _target_band(laws, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def fig_scaling_fit(data: RunSet, looks=None) -> Figure | None:
     """Per reading: runs (colour = depth, marker = (E, K)), the fitted power law for each swept architecture,
     and the law extrapolated to 48 layers / 128 experts / top-8 (black, with its bootstrap 95% band), against
-    the median KL per update; the dashed line is the paper's 10%."""
+    the median KL per update; runs of that architecture (the paper-shaped arm), held out of the fit, are black
+    stars; the dashed line is the paper's 10%."""
     if not _varies_lr(data):
         return None
-    per_run = run_summary(data)
+    per_run, held_out = split_target(run_summary(data))
     try:
         laws = {reading: fit_power_law(per_run, reading) for reading in FITTED}
     except ConfigError:
@@ -209,6 +210,8 @@ def fig_scaling_fit(data: RunSet, looks=None) -> Figure | None:
         if boots:
             low, high = _target_band(boots, xs)
             ax.fill_between(xs, low, high, color="black", alpha=0.12, linewidth=0)
+        if len(held_out):
+            ax.scatter(held_out["kl_median"], held_out[reading], color="black", marker="*", s=40, zorder=4)
         _paper_line(ax)
         ax.set_xscale("log")
         # The band can reach absurd values far from the data; the view stays within 30x below the runs.
@@ -223,5 +226,8 @@ def fig_scaling_fit(data: RunSet, looks=None) -> Figure | None:
     handles += [Line2D([], [], color="0.3", marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % 4],
                        label=f"{e}/{k}") for i, (e, k) in enumerate(variants)]
     handles.append(Line2D([], [], color="black", label="48 / 128 / top-8, extrapolated (band: bootstrap 95%)"))
+    if len(held_out):
+        handles.append(Line2D([], [], color="black", marker="*", linestyle="none",
+                              label="48 / 128 / top-8 runs (held out of the fit)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4))
     return fig

@@ -168,8 +168,7 @@ def fig_stability(data: RunSet, looks: Looks) -> Figure:
     specs = [("clip_ratio/region_mean", "step", True), ("ratio/log_std", "step", False),
              ("ratio/extreme_frac", "step", True), ("routing/staleness/churn", "step", False),
              ("routing/rollout/churn", "step", False), ("routing/staleness/churn", "minibatch", False)]
-    frame_of = lambda metric: data.steps  # noqa: E731 - every panel reads the step grid's presence
-    fig, axes, kept = _panel_figure(specs, frame_of, 3)
+    fig, axes, kept = _panel_figure(specs, lambda _metric: data.steps, 3)
     for ax, (metric, x, log) in zip(axes, kept):
         draw_curves(ax, data, looks, data.metrics if x == "minibatch" else data.steps, metric, x, log=log)
     figure_legend(fig, data, looks)

@@ -35,7 +35,7 @@ from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.report_text import scaling_markdown, skipped_markdown
-from analysis.scaling import coefficient_table, extrapolation_table, near_level_cells
+from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
 from moe_rl.runs.provenance import git_state, utc_now
@@ -141,8 +141,14 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, last_k: int) -> dict[str, 
     if per_run["optim.lr"].nunique() < 2 or per_run[["churn", "set_change", "kl_median"]].isna().all().any():
         return {}
     per_run["learns"] = per_run["group"].map(cells.set_index("group")["learns"]).fillna(False).astype(bool)
-    return {"scaling_fit": coefficient_table(per_run), "scaling_extrapolation": extrapolation_table(per_run),
-            "near_10pct": near_level_cells(cells)}
+    fit_runs, paper_runs = split_target(per_run)
+    if fit_runs["optim.lr"].nunique() < 2:
+        return {}
+    tables = {"scaling_fit": coefficient_table(fit_runs), "scaling_extrapolation": extrapolation_table(fit_runs),
+              "near_10pct": near_level_cells(cells)}
+    if len(paper_runs):
+        tables["scaling_check"] = held_out_check(fit_runs, paper_runs)
+    return tables
 
 
 def write_figures(data: RunSet, folder: Path) -> tuple[list[str], list[str]]:

@@ -74,6 +74,14 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
         lines.append(f"| {READING_LABELS[r['reading']]} | {r['driver_ref']:.3g} | "
                      f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} | {needed} | "
                      f"{r['dropped'] or 'none'} |")
+    if "scaling_check" in tables:
+        lines += ["", "Check: the paper-shaped runs (same depth, experts and top-k as the target) are held out of the "
+                  "fit; their measured reading beside the law's prediction at their own median KL per update:", "",
+                  "| reading | lr | runs | KL per update | measured [CI] | predicted [CI] |", "|---|---|---|---|---|---|"]
+        for _, r in tables["scaling_check"].iterrows():
+            lines.append(f"| {READING_LABELS[r['reading']]} | {r['optim.lr']:g} | {int(r['n_runs'])} | {r['driver']:.3g} | "
+                         f"{with_ci(r['measured'], r['measured_ci_low'], r['measured_ci_high'], True)} | "
+                         f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} |")
     n_terms = fit.groupby("reading")["estimate"].apply(lambda e: int(e.notna().sum())).max()
     n_runs = int(fit["n_runs"].min())
     if n_runs < 5 * n_terms:

@@ -18,9 +18,11 @@ generator), percentile 95% intervals for every coefficient and every prediction.
 0 or missing cannot enter a log-log fit; `n_excluded` counts them.
 
     per_run = run_summary(data)                 # analysis.cells
-    laws = fit_all(per_run)                     # {"churn": PowerLaw, "set_change": PowerLaw}
-    table = extrapolation_table(per_run)        # the reading at 48 layers / 128 experts / top-8, and the KL
+    fit_runs, paper_runs = split_target(per_run)   # runs of the 48 / 128 / top-8 arm are held out of the fit
+    law = fit_power_law(fit_runs, "set_change")    # PowerLaw: predictors, coef, r2, predict(), driver_for()
+    table = extrapolation_table(fit_runs)       # the reading at 48 layers / 128 experts / top-8, and the KL
                                                 #   that would give 10% there, with bootstrap CIs
+    held_out_check(fit_runs, paper_runs)        # the prediction beside what the held-out paper-shaped runs measured
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from analysis.aggregate import summarize
 from moe_rl.errors import ConfigError
 
 FITTED_READINGS = ("churn", "set_change")
@@ -175,6 +178,34 @@ def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict 
                      "predicted_ci_high": _interval(predicted)[1], f"driver_for_{level:g}": law.driver_for(level, settings),
                      "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
                      "dropped": ",".join(law.dropped)})
+    return pd.DataFrame(rows)
+
+
+def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(runs to fit, runs of the target architecture): runs of the paper-shaped arm (TARGET's depth, E and K)
+    are held out of the fit, so that the extrapolation can be checked against them."""
+    target = {**TARGET, **(target or {})}
+    is_target = np.logical_and.reduce([per_run[k] == v for k, v in target.items()])
+    return per_run[~is_target], per_run[is_target]
+
+
+def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str = "kl",
+                   readings=FITTED_READINGS) -> pd.DataFrame:
+    """Per reading and learning rate of the held-out runs: their measured reading (mean and bootstrap CI over
+    runs) beside the law's prediction at their median driver value (with its bootstrap CI)."""
+    rows = []
+    for reading in readings:
+        law, boots = fit_power_law(fit_runs, reading, driver), bootstrap_laws(fit_runs, reading, driver)
+        for lr, runs in held_out.groupby("optim.lr"):
+            settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
+                        **{k: float(runs[k].iloc[0]) for k in ARCHITECTURE}}
+            measured = summarize(runs[reading])
+            predicted = [b.predict(settings) for b in boots]
+            rows.append({"reading": reading, "optim.lr": lr, "n_runs": measured["n"],
+                         "driver": settings[DRIVERS[driver]], "measured": measured["mean"],
+                         "measured_ci_low": measured["ci_low"], "measured_ci_high": measured["ci_high"],
+                         "predicted": law.predict(settings), "predicted_ci_low": _interval(predicted)[0],
+                         "predicted_ci_high": _interval(predicted)[1]})
     return pd.DataFrame(rows)
 
 

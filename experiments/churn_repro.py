@@ -20,11 +20,16 @@ regime changes (Science 1's long-completion task).
     moe-rl sweep churn_repro --arg lrs=1e-4,3e-4 layers=4 experts=64/8 seeds=5   # a slice
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --time 120
 
-CPU (default): 24 runs x 30 rollout steps (120 updates each) plus 4 warm starts; planned to stay under 20 minutes
-with --workers 2 on 2 cores (the `make reproduce` budget is 30 minutes), not yet timed on the final regime.
-`full=true` is several times that (about 1.5-2 hours); `paper=true` adds 3 seeds x 2 lrs of a 48-block model,
-each run several minutes on CPU. GPU (`scale="gpu"`): 64 experts top-8 | 128 experts top-8, depths 12 | 24 | 48,
-lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made by `make reproduce`.
+CPU (default): 24 runs x 30 rollout steps (120 updates each) plus 4 warm starts (300 SFT steps each). Measured
+on the current regime (chain_sum, the default tiny model) on a 2-core machine shared with five other jobs, with
+--workers 2: runs of 4 blocks took 97-165 s each and warm starts 93-130 s (a 4-run, 2-warm-start slice: 399 s),
+so the default grid takes about 25 minutes there and less on an idle machine; a longer-completion regime makes
+each step slower, so re-time the grid (and lower `steps`) when `regime()` changes, to keep `make reproduce` under
+30 minutes. `full=true` (81 runs, 9 warm starts) is about 3-4 times the default. `paper=true` adds 3 seeds x 2
+lrs of a 48-block, 128-expert model: about 30 s per rollout step and 3.5 s per SFT step on the same machine (3
+steps: 125 s; 10 SFT steps: 46 s), so about an hour for the arm with --workers 2. GPU (`scale="gpu"`): 64 experts
+top-8 | 128 experts top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs:
+results/churn_repro/README.md, made by `make reproduce`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from moe_rl.errors import ConfigError
 
 from analysis.aggregate import run_finals, run_initials
 from analysis.compare_committed import compare, main as compare_main
-from analysis.scaling import extrapolation_table, fit_power_law, bootstrap_laws, near_level_cells
+from analysis.scaling import (bootstrap_laws, extrapolation_table, fit_power_law, held_out_check, near_level_cells,
+                              split_target)
 from analysis.panels import percent_axis
 from analysis.style import PercentFormatter, new_figure, paper
 
@@ -152,6 +153,22 @@ def test_scaling_fit_recovers_a_synthetic_power_law_with_honest_intervals():
     assert law.predict({"kl_median": law.driver_for(0.1, {"model.n_layers": 48, "model.n_experts": 128,
                         "model.top_k": 8}), "model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8}) == \
         pytest.approx(0.1)
+
+
+def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
+    runs = _synthetic_runs(noise=0.05)
+    paper = runs[runs["model.n_layers"] == 8].head(6).assign(**{"model.n_layers": 48, "model.n_experts": 128,
+                                                               "model.top_k": 8})
+    law_value = [math.exp(LAW["intercept"] + LAW["kl_median"] * math.log(kl) + LAW["model.n_layers"] * math.log(48)
+                          + LAW["model.n_experts"] * math.log(128) + LAW["model.top_k"] * math.log(8))
+                 for kl in paper["kl_median"]]
+    paper = paper.assign(churn=law_value, set_change=[min(1.0, 3 * v) for v in law_value])
+    fit_runs, held_out = split_target(pd.concat([runs, paper], ignore_index=True))
+    assert len(held_out) == 6 and len(fit_runs) == len(runs)
+    check = held_out_check(fit_runs, held_out, readings=("churn",))
+    assert list(check["n_runs"]) == [3, 3]  # per learning rate of the held-out runs
+    for r in check.itertuples():
+        assert r.predicted_ci_low < r.measured < r.predicted_ci_high
 
 
 def test_scaling_fit_drops_what_the_runs_do_not_vary_and_refuses_a_fixed_driver():
