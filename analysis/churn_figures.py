@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import MaxNLocator, NullFormatter
 
 from analysis.aggregate import summarize
 from analysis.cells import READING_LABELS, READINGS, run_summary
@@ -125,6 +125,7 @@ def fig_churn_layer_profile(data: RunSet, looks=None) -> Figure | None:
                 curve = runs.groupby("layer")[reading].mean()
                 ax.plot(curve.index, curve.to_numpy(), color=colours[lr], marker="o", markersize=2)
             ax.set_title(f"{depth} blocks, {experts}/{top_k}", fontsize=6)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
             if row == 1:
                 ax.set_xlabel("MoE layer", fontsize=6)
             _churn_axis(ax, reading, ylabel=col == 0)

@@ -3,8 +3,8 @@
 A curve is the mean over a group's runs with a 95% bootstrap band over seeds (analysis.aggregate.mean_ci). Noisy
 per-step series are first smoothed per run by a centred rolling mean (SMOOTH: 5 rollout steps, 20 optimizer
 steps; held-out evaluations, which are sparse, are not smoothed), and the panel says so. Two groups whose curves
-coincide (R2 and R3 on CPU) are drawn so both stay visible (the later one with markers on top) and the panel names
-them. Heavy-tailed quantities (the k3 per-update KL) are summarised by medians, never means.
+coincide (R2 and R3 on CPU) are drawn so both stay visible (the later one dashed, with large hollow markers, on
+top) and the figure's legend says "(coincides with ...)". Heavy-tailed quantities (the k3 per-update KL) are summarised by medians, never means.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def draw_curves(ax: Axes, data: RunSet, looks: Looks, frame: pd.DataFrame, metri
         look = looks[group]
         ax.plot(curve[x], curve["mean"], color=look.color, linestyle="--" if twin else look.linestyle,
                 marker=look.marker if (twin or len(curve) < 12) else None, markevery=max(1, len(curve) // 8),
-                zorder=3 if twin else 2, label=group)
+                zorder=3 if twin else 2, label=group, mfc="none" if twin else look.color,
+                markersize=6 if twin else None)
         ax.fill_between(curve[x], curve["ci_low"], curve["ci_high"], color=look.color, alpha=0.2, linewidth=0)
         drawn[group], twins[group] = curve, twin
     _mark_diverged(ax, data, looks, frame, metric, x)
@@ -196,12 +197,19 @@ def draw_layer_curves(ax: Axes, data: RunSet, looks: Looks, probe: str = "update
         return no_data(ax, f"routing/ tables of the {probe} probe")
     column, low, high = ("mean", "ci_low", "ci_high") if reading == "churn" else (
         "set_change", "set_change_ci_low", "set_change_ci_high")
+    span = float(table[column].max() - table[column].min())
+    drawn, twins = {}, {}
     for group in data.groups:
         rows = table[table["group"] == group]
+        curve = rows.rename(columns={column: "mean"})
+        twin = next((g for g, c in drawn.items() if _same_curve(c, curve, "layer", COINCIDE * span)), None) if span else None
         look = looks[group]
         err = np.vstack([rows[column] - rows[low], rows[high] - rows[column]])
-        ax.errorbar(rows["layer"], rows[column], yerr=np.nan_to_num(err), color=look.color, ls=look.linestyle,
-                    marker=look.marker, capsize=2, label=group)
+        ax.errorbar(rows["layer"], rows[column], yerr=np.nan_to_num(err), color=look.color,
+                    ls="--" if twin else look.linestyle, marker=look.marker, capsize=2, label=group,
+                    zorder=3 if twin else 2, mfc="none" if twin else look.color)
+        drawn[group], twins[group] = curve, twin
+    _remember(ax.figure, twins if span else {}, 1, "layer")
     label_axes(ax, "layer", f"routing/{probe}/{reading}", table[low].fillna(table[column]))
     if probe != "update":
         ax.set_ylabel(LABELS.get(f"routing/{probe}/{reading}", f"{probe} {reading}"))

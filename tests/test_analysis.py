@@ -223,6 +223,23 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
     assert "1 diverged" in readme
 
 
+def test_coinciding_groups_are_named_in_the_legend(runs_root, tmp_path):
+    from analysis.plots import fig_comparison, looks_for
+
+    shutil.copytree(runs_root / "sweep" / "runs", tmp_path / "runs")
+    for seed in (0, 1):  # an R3 group identical to R2, as on CPU
+        copy = tmp_path / "runs" / f"grpo_r3_s{seed}"
+        shutil.copytree(tmp_path / "runs" / f"grpo_r2_s{seed}", copy)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "routing_mode": "R3"}))
+    data = load_runs(tmp_path / "runs")
+    data = add_groups(data, group_keys(data))
+    fig = fig_comparison(data, looks_for(data))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "grpo R3 (coincides with grpo R2)" in labels and "grpo R2" in labels
+    assert "rolling mean over 5 rollout steps per run" in fig.legends[0].get_title().get_text()
+
+
 def test_final_evaluation_is_the_one_after_training(sweep):
     # Evaluations at steps 0 (before RL), 2 and 3 (after the last training step, 2); last_k=1: the window is
     # step 2, so only the evaluation at step 3 counts.
