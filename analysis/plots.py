@@ -17,9 +17,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Callable
 
-import numpy as np
 import pandas as pd
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
