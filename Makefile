@@ -1,6 +1,7 @@
 # Two commands do all of their own set-up on a fresh machine:
 #   make test        create .venv, install, run the test suite
-#   make reproduce   create .venv, install, run the CPU expert-churn reproduction (writes results/churn_repro)
+#   make reproduce   create .venv, install, run the CPU expert-churn reproduction, compare it with the committed
+#                    results/churn_repro (within the seed CIs?), then write results/churn_repro
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -27,11 +28,20 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q
 
-# The CPU expert-churn reproduction (about 6 min on 2 cores, after the install): the churn_repro sweep, then its report into
-# results/churn_repro. Re-running skips finished runs and resumes interrupted ones.
+# The CPU expert-churn reproduction (time: experiments/churn_repro.py; under 30 min on 2 cores): the churn_repro sweep,
+# its report into outputs/churn_repro, then, per cell, whether each new value lies inside the committed 95% CI over
+# seeds (results/churn_repro/tables/churn_vs_lr_depth.csv is read before anything replaces it), and last the new
+# report replaces results/churn_repro. Same machine: identical numbers; another machine: within the CIs, not
+# identical (CPU kernels round differently). Re-running skips finished runs and resumes interrupted ones.
+COMMITTED := results/churn_repro/tables/churn_vs_lr_depth.csv
 reproduce: install
 	$(BIN)/moe-rl sweep churn_repro --workers $(WORKERS)
-	$(BIN)/moe-rl report sweeps/churn_repro --out results/churn_repro
+	rm -rf outputs/churn_repro
+	$(BIN)/moe-rl report sweeps/churn_repro --out outputs/churn_repro
+	@if [ -f $(COMMITTED) ]; then \
+		$(BIN)/python -m analysis.compare_committed outputs/churn_repro/tables/churn_vs_lr_depth.csv $(COMMITTED); \
+	else echo "reproduce: no committed $(COMMITTED) to compare with"; fi
+	rm -rf results/churn_repro && cp -r outputs/churn_repro results/churn_repro
 
 # Both committed studies: the churn reproduction and the objective comparison (about 20 min on 2 cores).
 reproduce-all: reproduce

@@ -10,9 +10,11 @@ Reads run directories only; the trainer never imports this package (docs/design.
 Figures live in analysis.plots (matplotlib is imported only there and in analysis.report).
 """
 
-from analysis.aggregate import (add_groups, bootstrap_ci, churn_vs_lr_depth, final_scores, group_keys, iqm,
-                                layer_churn, mean_ci, run_finals, summarize)
+from analysis.aggregate import (add_groups, bootstrap_ci, final_scores, group_keys, iqm, layer_churn, mean_ci,
+                                run_finals, run_initials, summarize)
+from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.load import NoRunsError, RunSet, find_runs, load_runs, per_step
 
 __all__ = ["NoRunsError", "RunSet", "add_groups", "bootstrap_ci", "churn_vs_lr_depth", "final_scores", "find_runs",
-           "group_keys", "iqm", "layer_churn", "load_runs", "mean_ci", "per_step", "run_finals", "summarize"]
+           "group_keys", "iqm", "layer_churn", "load_runs", "mean_ci", "per_step", "run_finals", "run_initials",
+           "run_summary", "summarize"]

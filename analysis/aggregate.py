@@ -11,6 +11,7 @@ and `n` counts what remains.
     data = add_groups(data, keys)                         # a `group` label column on every frame
     curve = mean_ci(data.steps, "reward", x="step")       # group, step, n, mean, ci_low, ci_high
     final = final_scores(data, ["reward"], last_k=5)      # group, metric, n_runs, n_diverged, mean, iqm, ...
+    cells = churn_vs_lr_depth(data)                       # analysis.cells: per cell, both churn readings
 """
 
 from __future__ import annotations
@@ -158,15 +159,45 @@ def mean_ci(frame: pd.DataFrame, metric: str, x: str = "step", by: Sequence[str]
 # Tables
 
 
+EVAL_PREFIX = "eval/"
+
+
 def run_finals(steps: pd.DataFrame, metric: str, last_k: int) -> pd.Series:
-    """Each run's mean of `metric` over its last `last_k` rollout steps that logged it (a diverged or killed run:
-    the last steps it reached)."""
+    """Each run's final value of `metric`, at the end of training.
+
+    Training metrics: the mean over the run's last `last_k` rollout steps that logged it (a diverged or killed
+    run: the last steps it reached). Evaluation metrics (`eval/*`): the mean of the evaluations logged at steps
+    after the first step of that training window, i.e. of the last `last_k` rollout steps that made an optimizer
+    update. An evaluation logged at step s measures the policy before step s's updates, so these are the
+    evaluations of the policy trained through the window, including the one after training (step total_steps);
+    the pre-RL evaluation at step 0 never counts unless the window starts before it. A run with no such
+    evaluation (killed before its next evaluation) gives NaN."""
+    if metric.startswith(EVAL_PREFIX):
+        return _eval_finals(steps, metric, last_k)
     logged = steps.dropna(subset=[metric]).sort_values(["run", "step"])
     return logged.groupby("run")[metric].apply(lambda s: s.tail(last_k).mean())
 
 
+def _eval_finals(steps: pd.DataFrame, metric: str, last_k: int) -> pd.Series:
+    trained = steps[steps["n_updates"] > 0].sort_values(["run", "step"])
+    window_start = trained.groupby("run")["step"].apply(lambda s: s.tail(last_k).min())
+    logged = steps.dropna(subset=[metric]).merge(window_start.rename("window_start"), left_on="run", right_index=True)
+    after = logged[logged["step"] > logged["window_start"]]
+    finals = after.groupby("run")[metric].mean()
+    return finals.reindex(window_start.index)
+
+
+def run_initials(steps: pd.DataFrame, metric: str, first_k: int) -> pd.Series:
+    """Each run's starting value of `metric`: evaluations (`eval/*`) at the first step that logged one (the
+    pre-RL evaluation at step 0); training metrics the mean over the first `first_k` steps that logged them."""
+    logged = steps.dropna(subset=[metric]).sort_values(["run", "step"])
+    k = 1 if metric.startswith(EVAL_PREFIX) else first_k
+    return logged.groupby("run")[metric].apply(lambda s: s.head(k).mean())
+
+
 def final_scores(data: RunSet, metrics: Sequence[str], last_k: int = 5) -> pd.DataFrame:
-    """Per group and metric: the final score of each run (`run_finals`) summarised over runs.
+    """Per group and metric: the final score of each run (`run_finals`: training metrics over the last `last_k`
+    rollout steps, evaluations after the first of them) summarised over runs.
 
     Columns: group, metric, n_runs, n_diverged, mean, iqm, std, ci_low, ci_high."""
     rows = []
@@ -187,41 +218,20 @@ def final_scores(data: RunSet, metrics: Sequence[str], last_k: int = 5) -> pd.Da
 
 
 def layer_churn(routing: pd.DataFrame, probes: Sequence[str] | None = None) -> pd.DataFrame:
-    """Churn per MoE layer: each run's mean over all its comparisons of a probe, summarised over runs.
+    """Churn per MoE layer in both readings: each run's mean over all its comparisons of a probe, then mean and
+    95% CI over runs of slot churn (`mean`, `ci_low`, `ci_high`) and of set change (`set_change`, ...).
 
-    Columns: group, probe, layer, n_runs, mean, ci_low, ci_high, set_change (mean over runs)."""
+    Columns: group, probe, layer, n_runs, mean, ci_low, ci_high, set_change, set_change_ci_low,
+    set_change_ci_high."""
+    columns = ["group", "probe", "layer", "n_runs", "mean", "ci_low", "ci_high", "set_change", "set_change_ci_low",
+               "set_change_ci_high"]
     if probes is not None:
         routing = routing[routing["probe"].isin(probes)]
     per_run = routing.groupby(["group", "probe", "layer", "run"])[["churn", "set_change"]].mean().reset_index()
     rows = []
     for (group, probe, layer), runs in per_run.groupby(["group", "probe", "layer"], sort=True):
-        summary = summarize(runs["churn"])
-        rows.append({"group": group, "probe": probe, "layer": layer, "n_runs": summary["n"],
-                     "mean": summary["mean"], "ci_low": summary["ci_low"], "ci_high": summary["ci_high"],
-                     "set_change": runs["set_change"].mean()})
-    return pd.DataFrame(rows, columns=["group", "probe", "layer", "n_runs", "mean", "ci_low", "ci_high",
-                                       "set_change"])
-
-
-CHURN_VS_CHANGE = ("routing/update/churn", "update/kl", "update/log_ratio_abs_mean")
-
-
-def churn_vs_lr_depth(data: RunSet) -> pd.DataFrame:
-    """Update churn and per-update policy change by group, learning rate and depth: each run's mean over its
-    optimizer steps, then mean and 95% CI over runs.
-
-    Columns: group, optim.lr, model.n_layers, model.n_experts, model.top_k, n_runs, churn_mean, churn_ci_low,
-    churn_ci_high, update_kl_mean, log_ratio_abs_mean; sorted by the numeric columns."""
-    keys = ["group", "optim.lr", "model.n_layers", "model.n_experts", "model.top_k"]
-    present = [m for m in CHURN_VS_CHANGE if m in data.metrics.columns]
-    per_run = data.with_config(data.metrics, keys[1:]).groupby([*keys, "run"])[present].mean().reset_index()
-    rows = []
-    for key, runs in per_run.groupby(keys, sort=True):
-        row = dict(zip(keys, key))
-        churn = summarize(runs.get("routing/update/churn", pd.Series(dtype=float)))
-        row.update(n_runs=len(runs), churn_mean=churn["mean"], churn_ci_low=churn["ci_low"],
-                   churn_ci_high=churn["ci_high"])
-        for metric, name in (("update/kl", "update_kl_mean"), ("update/log_ratio_abs_mean", "log_ratio_abs_mean")):
-            row[name] = runs[metric].mean() if metric in runs else float("nan")
-        rows.append(row)
-    return pd.DataFrame(rows).sort_values(keys[1:] + ["group"], ignore_index=True)
+        slots, sets = summarize(runs["churn"]), summarize(runs["set_change"])
+        rows.append({"group": group, "probe": probe, "layer": layer, "n_runs": slots["n"], "mean": slots["mean"],
+                     "ci_low": slots["ci_low"], "ci_high": slots["ci_high"], "set_change": sets["mean"],
+                     "set_change_ci_low": sets["ci_low"], "set_change_ci_high": sets["ci_high"]})
+    return pd.DataFrame(rows, columns=columns)

@@ -21,6 +21,7 @@ included; their status is in the tables and diverged runs are marked where they 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +30,21 @@ from typing import Annotated
 import pandas as pd
 import tyro
 
-from analysis.aggregate import add_groups, churn_vs_lr_depth, final_scores, group_keys, layer_churn, mean_ci
+from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci
+from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.load import INFO_COLUMNS, RunSet, load_runs
-from analysis.plots import FIGURES, looks_for
+from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
+from analysis.report_text import scaling_markdown, skipped_markdown
+from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
 from moe_rl.runs.provenance import git_state, utc_now
 
-FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/token_any", "update/kl",
+FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/set_change",
+                 "routing/update/token_any", "update/kl",
                  "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")
-CURVE_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/staleness/churn",
+CURVE_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/set_change",
+                 "routing/update/token_any", "routing/staleness/churn",
                  "routing/rollout/churn", "update/kl", "clip_ratio/region_mean", "ratio/log_std",
                  "ratio/extreme_frac")
 
@@ -75,38 +81,88 @@ def report(cfg: ReportConfig) -> Path:
     data = load_runs(cfg.runs)
     data = add_groups(data, group_keys(data, cfg.group_by))
     out = Path(cfg.out)
+    data.runs = relative_paths(data.runs, out)
     tables = write_tables(data, out / "tables", cfg.last_k)
-    figures = write_figures(data, out / "figures")
-    (out / "README.md").write_text(summary_markdown(data, cfg, tables["final_scores"], figures), encoding="utf-8")
+    figures, skipped = write_figures(data, out / "figures")
+    text = summary_markdown(data, cfg, tables["final_scores"], figures)
+    text += scaling_markdown(tables) + skipped_markdown(skipped)
+    (out / "README.md").write_text(text, encoding="utf-8")
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
           f"{len(figures)} figures, {len(tables)} tables")
     return out
 
 
+def relative_paths(frame: pd.DataFrame, base: Path) -> pd.DataFrame:
+    """`frame` with every absolute path (a text value starting with the root) written relative to `base`, the
+    report folder: committed tables must not name the machine they were made on."""
+    base = Path(base).absolute()
+
+    def relative(value):
+        if isinstance(value, str) and os.path.isabs(value):
+            return os.path.relpath(value, base)
+        return value
+
+    text = [c for c in frame.columns if frame[c].dtype == object or pd.api.types.is_string_dtype(frame[c])]
+    return frame.assign(**{c: frame[c].map(relative) for c in text})
+
+
+def relative_json(value, base: Path):
+    """A JSON value (sweep.json, a config) with its absolute paths written relative to `base`."""
+    if isinstance(value, dict):
+        return {key: relative_json(item, base) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relative_json(item, base) for item in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.relpath(value, Path(base).absolute())
+    return value
+
+
 def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFrame]:
+    cells = churn_vs_lr_depth(data, last_k)
     tables = {
         "runs": data.runs[["run", "group", *[c for c in data.runs.columns if c not in ("run", "group")]]],
         "final_scores": final_scores(data, FINAL_METRICS, last_k),
         "layer_churn": layer_churn(data.routing) if len(data.routing) else pd.DataFrame(),
-        "churn_vs_lr_depth": churn_vs_lr_depth(data),
+        "churn_vs_lr_depth": cells,
         "curves": pd.concat([mean_ci(data.steps, m, x="step").assign(metric=m) for m in CURVE_METRICS
                              if m in data.steps.columns] or [pd.DataFrame()], ignore_index=True),
     }
+    tables.update(scaling_tables(data, cells, last_k))
     folder.mkdir(parents=True, exist_ok=True)
     for name, table in tables.items():
         table.to_csv(folder / f"{name}.csv", index=False)
     return tables
 
 
-def write_figures(data: RunSet, folder: Path) -> list[str]:
-    """Every figure of FIGURES that applies to these runs; returns the names written."""
-    looks, written = looks_for(data), []
+def scaling_tables(data: RunSet, cells: pd.DataFrame, last_k: int) -> dict[str, pd.DataFrame]:
+    """The churn scaling fit (analysis.scaling), for sweeps of the learning rate that log both readings."""
+    per_run = run_summary(data, last_k)
+    per_run = per_run[per_run["run"].map(data.runs.set_index("run")["status"]) != "diverged"].copy()
+    if per_run["optim.lr"].nunique() < 2 or per_run[["churn", "set_change", "kl_median"]].isna().all().any():
+        return {}
+    per_run["learns"] = per_run["group"].map(cells.set_index("group")["learns"]).fillna(False).astype(bool)
+    fit_runs, paper_runs = split_target(per_run)
+    if fit_runs["optim.lr"].nunique() < 2:
+        return {}
+    tables = {"scaling_fit": coefficient_table(fit_runs), "scaling_extrapolation": extrapolation_table(fit_runs),
+              "near_10pct": near_level_cells(cells)}
+    if len(paper_runs):
+        tables["scaling_check"] = held_out_check(fit_runs, paper_runs)
+    return tables
+
+
+def write_figures(data: RunSet, folder: Path) -> tuple[list[str], list[str]]:
+    """Every figure of FIGURES that applies to these runs; returns the names written and the panels left out
+    (all zero or not logged), as "figure: panel (why)"."""
+    looks, written, skipped = looks_for(data), [], []
     for name, (make, _) in FIGURES.items():
         fig = make(data, looks)
-        if fig is not None:
-            save(fig, folder, name, FORMATS)
-            written.append(name)
-    return written
+        if fig is None:
+            continue
+        skipped += [f"{name}: {panel}" for panel in getattr(fig, "skipped_panels", [])]
+        save(fig, folder, name, FORMATS)
+        written.append(name)
+    return written, skipped
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -148,7 +204,8 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         "Made by", "", "```", command_line(cfg), "```", "",
         f"on {utc_now()} (analysis code git {code_version}). "
-        f"Source: `{data.root.resolve()}`; runs' code git: {', '.join(shas) or 'unknown'}.",
+        f"Source: `{cfg.runs}`; runs' code git: {', '.join(shas) or 'unknown'}. Paths in the tables are relative "
+        "to this folder.",
         "",
         f"{len(data.runs)} runs ({', '.join(f'{n} {s}' for s, n in status.items())}) in {len(data.groups)} "
         f"groups by {', '.join(f'`{k}`' for k in data.group_by) or 'nothing (one group)'}."
@@ -156,9 +213,14 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         "## Final scores",
         "",
-        f"Each run's mean over its last {cfg.last_k} rollout steps; mean, interquartile mean (IQM) and 95% "
-        "percentile-bootstrap CI over the runs of a group (no CI from a single run). Diverged runs count with "
-        "the steps they reached.",
+        f"Training metrics: each run's mean over its last {cfg.last_k} rollout steps; held-out metrics (`eval/*`): "
+        f"the evaluations after the first of those steps (the policy after training, never the pre-RL step-0 "
+        "evaluation). Then mean, interquartile mean (IQM) and 95% percentile-bootstrap CI over the runs of a group "
+        "(no CI from a single run). Diverged runs count with the steps they reached. Churn is shown in both "
+        "readings: `routing/update/churn` is slot churn (share of a token's K experts that change per update), "
+        "`routing/update/set_change` the share of (token, layer) decisions whose top-K set changed, "
+        "`routing/update/token_any` the share of tokens whose path changed in any layer. `update/kl` is "
+        "heavy-tailed: read its IQM, or the per-run medians in `tables/churn_vs_lr_depth.csv`.",
         "",
         markdown_table(finals[["group", "metric", "n_runs", "n_diverged", "mean", "iqm", "ci"]]),
         "",
@@ -166,8 +228,11 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         *[f"- `figures/{name}.png` (and `.pdf`): {FIGURES[name][1]}." for name in figures],
         "",
-        "How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
-        "layer_churn, churn_vs_lr_depth, curves.",
+        f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run, then mean and 95% CI over "
+        "seeds. How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
+        "layer_churn, churn_vs_lr_depth (one row per cell: both churn readings, median KL, held-out reward before "
+        "and after RL, with CIs over seeds), curves, and for learning-rate sweeps scaling_fit, "
+        "scaling_extrapolation and near_10pct.",
         "",
         "## Runs",
         "",
@@ -181,5 +246,5 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "```json", json.dumps(_shared_config(data), indent=1, default=str), "```",
     ]
     if data.sweep is not None:
-        lines += ["", "sweep.json:", "", "```json", json.dumps(data.sweep, indent=1, default=str), "```"]
+        lines += ["", "sweep.json:", "", "```json", json.dumps(relative_json(data.sweep, Path(cfg.out)), indent=1, default=str), "```"]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,9 @@ colour-vision deficiencies; yellow comes last because it is faint on white. Grou
 order, so the same set of groups gets the same colours in every figure of a report; when groups differ only in
 objective and routing mode, the colour is the objective's (OBJECTIVE_ORDER), the same in every report. The
 routing mode, when it is a group key, sets the line style (native solid, R2 dashed, R3 dotted), so GRPO vs
-GRPO+R2 stays readable in greyscale print. Sequential quantities (learning rate, churn heatmaps) use viridis.
+GRPO+R2 stays readable in greyscale print. Sweeps over other fields (lr x depth x experts) get looks keyed to
+the swept values (`keyed_looks`): colour from the first key, line style from the second, marker from the rest, a
+discrete palette with a legend rather than a continuous colour bar. Churn heatmaps use viridis.
 
 Figures are built on `matplotlib.figure.Figure` directly, without pyplot: no global backend or figure registry is
 touched, and PNG/PDF are rendered by the Agg and PDF canvases.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import Formatter, LogLocator
 
 OKABE_ITO = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"]
 ROUTING_LINESTYLES = {"native": "-", "R2": "--", "R3": ":"}
@@ -69,18 +72,85 @@ def group_looks(groups: Sequence[str], routing_modes: Sequence[str | None] | Non
     return looks
 
 
-def percent_formatter() -> FuncFormatter:
-    """Tick labels for fractions as percentages with as many decimals as the value needs (0.01%, 0.5%, 10%), so
-    the decades of a log axis stay distinguishable."""
+LINESTYLES = ["-", "--", ":", "-."]
 
-    def label(value: float, _position) -> str:
-        if value <= 0 or not math.isfinite(value):
-            return "0%"
-        percent = 100 * value
-        decimals = max(0, -math.floor(math.log10(percent) + 1e-9))
-        return f"{percent:.{decimals}f}%"
 
-    return FuncFormatter(label)
+def _rank(values: Sequence) -> list[int]:
+    """Each value's index among the sorted distinct values (numbers as numbers, anything else as text)."""
+    distinct = sorted(set(values), key=lambda v: (0, v, "") if isinstance(v, numbers.Number) else (1, 0, str(v)))
+    return [distinct.index(v) for v in values]
+
+
+def keyed_looks(groups: Sequence[str], key_values: Sequence[Sequence]) -> dict[str, Look]:
+    """A Look per group from its group-key values (`key_values[i]` is group i's tuple): the first key picks the
+    colour, the second the line style, the rest (combined) the marker, each in sorted value order. So a swept
+    value has one look across the report's figures, and 30 groups of lr x depth x experts stay tellable apart."""
+    columns = list(zip(*key_values)) if key_values and key_values[0] else []
+    ranks = [_rank(column) for column in columns]
+    looks = {}
+    for i, group in enumerate(groups):
+        colour = ranks[0][i] if ranks else i
+        style = ranks[1][i] if len(ranks) > 1 else 0
+        marker = 0
+        for column in ranks[2:]:
+            marker = marker * (max(column) + 1) + column[i]
+        looks[group] = Look(OKABE_ITO[colour % len(OKABE_ITO)], LINESTYLES[style % len(LINESTYLES)],
+                            MARKERS[marker % len(MARKERS)])
+    return looks
+
+
+MAX_SIGNIFICANT = 3  # percent labels carry at most this many significant digits unless neighbours need more
+
+
+def _percent_decimals(percent: float) -> int:
+    """The fewest decimals that write `percent` exactly, up to MAX_SIGNIFICANT significant digits."""
+    if percent == 0 or not math.isfinite(percent):
+        return 0
+    first = -math.floor(math.log10(abs(percent)))  # decimals that reach the first significant digit
+    for decimals in range(max(0, first), max(0, first + MAX_SIGNIFICANT - 1) + 1):
+        if abs(round(percent, decimals) - percent) <= 1e-9 * abs(percent):
+            return decimals
+    return max(0, first + MAX_SIGNIFICANT - 1)
+
+
+def _percent_label(value: float, decimals: int) -> str:
+    if not math.isfinite(value):
+        return ""
+    text = f"{100 * value:.{decimals}f}"
+    return ("0" if float(text) == 0 else text) + "%"
+
+
+class PercentFormatter(Formatter):
+    """Tick labels for fractions as percentages that are true and distinct: each tick gets the fewest decimals
+    that write it exactly (0.05 -> 5%, 0.015 -> 1.5%, 0.0001 -> 0.01%, to MAX_SIGNIFICANT digits), and when two
+    ticks of an axis would still read alike every label gets one more decimal until none do."""
+
+    def __call__(self, value: float, pos=None) -> str:
+        return _percent_label(value, _percent_decimals(100 * value))
+
+    def format_ticks(self, values) -> list[str]:
+        decimals = [_percent_decimals(100 * v) for v in values]
+        for extra in range(8):
+            labels = [_percent_label(v, d + extra) for v, d in zip(values, decimals)]
+            if len(set(labels)) == len(labels):
+                break
+        return labels
+
+
+class NarrowLogLocator(LogLocator):
+    """Decade ticks, plus 2x and 5x ticks when fewer than two decades lie in view (else a narrow log axis shows
+    a single labelled tick, or none)."""
+
+    def tick_values(self, vmin, vmax):
+        low, high = sorted((vmin, vmax))
+        narrow = low > 0 and math.floor(math.log10(high) + 1e-9) - math.ceil(math.log10(low) - 1e-9) < 1
+        self.set_params(subs=(1.0, 2.0, 5.0) if narrow else (1.0,))
+        return super().tick_values(vmin, vmax)
+
+
+def percent_formatter() -> PercentFormatter:
+    """The formatter of every percent axis (see PercentFormatter)."""
+    return PercentFormatter()
 
 
 @contextmanager

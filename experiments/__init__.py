@@ -4,7 +4,7 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | name                   | the question it answers                                                 | CPU default      |
 |------------------------|-------------------------------------------------------------------------|------------------|
 | `smoke`                | does the sweep path work end to end (tests, CI)                         | 4 runs, ~30 s    |
-| `churn_repro`          | update churn per layer vs lr, depth, experts, top-k (GSPO's ~10% claim) | 30 runs, ~10 min |
+| `churn_repro`          | update churn (both readings) vs lr, depth, experts, top-k, 3 seeds      | 24 runs, <30 min |
 | `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 on one warm start, over seeds         | 15 runs, ~10 min |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 

@@ -18,8 +18,9 @@ import pandas as pd
 import pytest
 from conftest import TINY_MODEL, tiny_train_config
 
-from analysis.aggregate import (add_groups, bootstrap_ci, churn_vs_lr_depth, final_scores, group_keys, iqm,
-                                layer_churn, mean_ci)
+from analysis.aggregate import (add_groups, bootstrap_ci, final_scores, group_keys, iqm, layer_churn, mean_ci,
+                                run_finals)
+from analysis.cells import churn_vs_lr_depth
 from analysis.load import NoRunsError, load_runs
 from analysis.plots import FIGURES
 from analysis.report import ReportConfig, summary_markdown
@@ -173,10 +174,17 @@ def test_churn_vs_lr_depth_equals_a_direct_pandas_computation(runs_root):
     data = add_groups(data, group_keys(data))
     assert data.group_by == ["optim.lr", "model.n_layers"]
     table = churn_vs_lr_depth(data).set_index(["optim.lr", "model.n_layers"])
-    direct = data.metrics.groupby(["optim.lr", "model.n_layers"])[["routing/update/churn", "update/kl"]].mean()
+    keys = ["optim.lr", "model.n_layers"]
+    means = data.metrics.groupby(keys)[["routing/update/churn", "routing/update/set_change",
+                                        "routing/update/token_any"]].mean()
+    medians = data.metrics.groupby(keys)["update/kl"].median()  # one run per cell: the run's median
     assert len(table) == 3
-    assert np.allclose(table["churn_mean"], direct.loc[table.index, "routing/update/churn"])
-    assert np.allclose(table["update_kl_mean"], direct.loc[table.index, "update/kl"])
+    assert np.allclose(table["churn_mean"], means.loc[table.index, "routing/update/churn"])
+    assert np.allclose(table["set_change_mean"], means.loc[table.index, "routing/update/set_change"])
+    assert np.allclose(table["token_any_mean"], means.loc[table.index, "routing/update/token_any"])
+    assert np.allclose(table["kl_median_mean"], medians.loc[table.index])
+    assert (table["set_change_mean"] >= table["churn_mean"]).all()  # a changed slot changes its set
+    assert not table["learns"].any()  # one seed per cell: no CI, never "learns"
 
 
 # --- the command, end to end ------------------------------------------------------------------------------
@@ -202,10 +210,45 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
     assert {"reward", "routing/update/churn"} <= set(finals["metric"])
     for table in ("layer_churn", "churn_vs_lr_depth", "curves"):
         assert len(pd.read_csv(folder / "tables" / f"{table}.csv")), table
+    assert not any(str(v).startswith("/") for column in runs for v in runs[column])  # no machine's paths
+    assert (folder / runs.loc[runs["run"] == "diverged", "path"].item()).resolve() == runs_root / "diverged"
+    cells = pd.read_csv(folder / "tables" / "churn_vs_lr_depth.csv")
+    assert {"churn_mean", "set_change_mean", "token_any_mean", "kl_median_mean", "eval_gain_ci_low"} <= set(cells)
     readme = (folder / "README.md").read_text()
+    assert "## Cells: churn in both readings" in readme and "## Churn scaling fit" in readme
+    assert "| slot churn | set change | token any |" in readme
+    assert "stability: routing/rollout/churn (0 or not logged in every run)" in readme  # left out, and said so
     assert f"moe-rl report {runs_root} --out results/tiny --last-k 2" in readme
     assert "`objective.name`, `routing_mode`" in readme and '"grid"' not in readme  # root has no sweep.json
     assert "1 diverged" in readme
+
+
+def test_coinciding_groups_are_named_in_the_legend(runs_root, tmp_path):
+    from analysis.plots import fig_comparison, looks_for
+
+    shutil.copytree(runs_root / "sweep" / "runs", tmp_path / "runs")
+    for seed in (0, 1):  # an R3 group identical to R2, as on CPU
+        copy = tmp_path / "runs" / f"grpo_r3_s{seed}"
+        shutil.copytree(tmp_path / "runs" / f"grpo_r2_s{seed}", copy)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "routing_mode": "R3"}))
+    data = load_runs(tmp_path / "runs")
+    data = add_groups(data, group_keys(data))
+    fig = fig_comparison(data, looks_for(data))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "grpo R3 (coincides with grpo R2)" in labels and "grpo R2" in labels
+    assert "rolling mean over 5 rollout steps per run" in fig.legends[0].get_title().get_text()
+
+
+def test_final_evaluation_is_the_one_after_training(sweep):
+    # Evaluations at steps 0 (before RL), 2 and 3 (after the last training step, 2); last_k=1: the window is
+    # step 2, so only the evaluation at step 3 counts.
+    finals = run_finals(sweep.steps, "eval/reward", last_k=1)
+    for run, steps in sweep.steps.groupby("run"):
+        evals = steps.dropna(subset=["eval/reward"]).set_index("step")["eval/reward"]
+        assert list(evals.index) == [0, 2, 3]
+        assert finals[run] == evals[3]
+        assert run_finals(sweep.steps, "eval/reward", last_k=2)[run] == pytest.approx(evals[[2, 3]].mean())
 
 
 def test_summary_names_the_command_and_the_sweep_config(sweep, runs_root):

@@ -8,6 +8,7 @@ import pytest
 
 from experiments import EXPERIMENTS
 from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.errors import ConfigError
 from moe_rl.sweep.overrides import from_dict
 from experiments import get_experiment
 from moe_rl.sweep.command import plan_sweep
@@ -64,24 +65,40 @@ def test_objective_comparison_grid():
         "grpo", "gspo", "cispo", "gmpo", "dapo", "dr_grpo", "gspo_token"}
 
 
-def test_churn_repro_grid_spans_lr_depth_and_experts_with_one_warm_start_per_architecture():
+def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture():
     plan = plan_sweep(get_experiment("churn_repro"), "/tmp/unused")
     swept = plan.swept()
-    assert swept["optim.lr"] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
-    assert swept["model.n_layers"] == [2, 4, 8]
-    assert len(plan.runs) == 5 * 3 * 2
-    assert all(r.config.total_steps == 25 and r.config.objective.name == "grpo" for r in plan.runs)
+    assert swept["optim.lr"] == [1e-4, 3e-4] and swept["model.n_layers"] == [2, 4]
+    assert len(plan.runs) == 3 * 2 * 2 * 2  # seeds x lr x depth x (E, K)
+    cells = {}
+    for run in plan.runs:
+        c = run.config
+        cells.setdefault((c.optim.lr, c.model.n_layers, c.model.n_experts, c.model.top_k), []).append(c.seed)
+    assert all(sorted(seeds) == [0, 1, 2] for seeds in cells.values()) and len(cells) == 8
+    assert {(e, k) for _, _, e, k in cells} == {(8, 2), (64, 8)}  # includes top-8 of 64
+    assert all(r.config.total_steps == 30 and r.config.objective.name == "grpo" for r in plan.runs)
+    assert all(r.config.routing_mode == "native" and r.config.log.eval_every > 0 for r in plan.runs)
     assert all("update" in r.config.probes.enabled for r in plan.runs)  # the churn probe
     architectures = {(r.config.model.n_layers, r.config.model.n_experts, r.config.model.top_k) for r in plan.runs}
-    assert len(architectures) == len(plan.warmstarts) == 6
+    assert len(architectures) == len(plan.warmstarts) == 4
     by_arch = {}
     for run in plan.runs:
         key = (run.config.model.n_layers, run.config.model.n_experts, run.config.model.top_k)
-        assert by_arch.setdefault(key, run.warmstart) == run.warmstart  # learning rates share a warm start
+        assert by_arch.setdefault(key, run.warmstart) == run.warmstart  # lrs and seeds share a warm start
 
-    sliced = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4"})
+    full = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"full": "true", "paper": "true"})
+    paper = [r for r in full.runs if r.config.model.n_layers == 48]
+    assert len(full.runs) == 3 * 3 * 3 * 3 + 3 * 2
+    assert len(paper) == 6 and {r.config.optim.lr for r in paper} == {1e-4, 3e-4}
+    m = paper[0].config.model
+    assert (m.n_experts, m.top_k, m.d_model, m.d_expert) == (128, 8, 64, 32)
+
+    sliced = plan_sweep(get_experiment("churn_repro"), "/tmp/unused",
+                        {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4", "seeds": "1"})
     assert [r.name for r in sliced.runs] == ["lr=1e-4,layers=4,experts=16,topk=4,seed=0",
                                              "lr=3e-4,layers=4,experts=16,topk=4,seed=0"]
+    with pytest.raises(ConfigError, match="experts='16-4'"):
+        plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16-4"})
 
 
 def test_ablations_change_one_knob_at_a_time():

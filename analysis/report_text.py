@@ -1,0 +1,113 @@
+"""Sections of a report's README.md beyond the summary: the cells of a churn sweep with both readings and their
+CIs, the churn scaling fit and its extrapolation, and the figure panels that were left out.
+
+Every number is written with its 95% CI over seeds and the number of runs it rests on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from analysis.cells import READING_HELP, READING_LABELS
+from analysis.scaling import PAPER_CHURN, TARGET
+
+
+def _pct(value: float) -> str:
+    return "" if not math.isfinite(value) else f"{100 * value:.3g}%"
+
+
+def with_ci(mean: float, low: float, high: float, percent: bool = False) -> str:
+    """'1.2% [0.9%, 1.5%]'; no brackets when there is no interval (one run)."""
+    fmt = _pct if percent else (lambda v: "" if not math.isfinite(v) else f"{v:.3g}")
+    if not math.isfinite(mean):
+        return ""
+    return fmt(mean) + (f" [{fmt(low)}, {fmt(high)}]" if math.isfinite(low) and math.isfinite(high) else " (no CI)")
+
+
+def _row_cell(row: pd.Series, name: str, percent: bool = False) -> str:
+    return with_ci(row[f"{name}_mean"], row[f"{name}_ci_low"], row[f"{name}_ci_high"], percent)
+
+
+def cells_markdown(cells: pd.DataFrame) -> str:
+    """One line per cell: both churn readings, tokens changed anywhere, median KL and held-out reward."""
+    if cells.empty or cells["churn_mean"].isna().all():
+        return ""
+    header = ["cell", "runs", "slot churn", "set change", "token any", "median KL/update (nats)",
+              "held-out before RL", "held-out after RL", "held-out gain", "learns"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, row in cells.iterrows():
+        values = [row["group"], str(int(row["n_runs"])), _row_cell(row, "churn", True),
+                  _row_cell(row, "set_change", True), _row_cell(row, "token_any", True),
+                  _row_cell(row, "kl_median"), _row_cell(row, "eval_start"), _row_cell(row, "eval_final"),
+                  _row_cell(row, "eval_gain"), "yes" if row["learns"] else "no"]
+        lines.append("| " + " | ".join(values) + " |")
+    legend = "; ".join(f"{READING_LABELS[k]}: {READING_HELP[k]}" for k in READING_HELP)
+    return "\n".join(["", "## Cells: churn in both readings, policy change and learning", "",
+                      f"Per cell, mean over its runs (seeds) and [95% bootstrap CI]; each run's churn is its mean over "
+                      f"its updates, its KL the median over them. {legend}. `learns`: the CI of the held-out gain "
+                      "(after minus before RL) lies above 0 (never with one seed).", "", *lines, ""])
+
+
+def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
+    """The fit's coefficients, the extrapolation to the paper's model, and where ~10% appears while RL learns."""
+    text = cells_markdown(tables.get("churn_vs_lr_depth", pd.DataFrame()))
+    if "scaling_fit" not in tables:
+        return text
+    fit, extra, near = tables["scaling_fit"], tables["scaling_extrapolation"], tables["near_10pct"]
+    lines = ["", "## Churn scaling fit", "",
+             "log(reading) = a + b log(median KL per update) + c log(MoE layers) + d log(experts) + e log(top-k), "
+             "least squares over runs; [95% CI] from a bootstrap over runs (analysis/scaling.py, docs/analysis.md). "
+             "A term the runs do not vary is left out (blank).", "",
+             "| reading | term | estimate [CI] | R^2 | runs |", "|---|---|---|---|---|"]
+    for _, r in fit.iterrows():
+        lines.append(f"| {READING_LABELS[r['reading']]} | {r['term']} | {with_ci(r['estimate'], r['ci_low'], r['ci_high'])}"
+                     f" | {r['r2']:.3f} | {int(r['n_runs'])} |")
+    target = f"{TARGET['model.n_layers']} MoE layers, {TARGET['model.n_experts']} experts, top-{TARGET['model.top_k']}"
+    lines += ["", f"Extrapolated to {target} (the GSPO paper's model), at the median KL per update of the runs in "
+              "cells that learn (all runs if none does):", "",
+              "| reading | KL per update | predicted [CI] | KL per update for 10% [CI] | terms left out |",
+              "|---|---|---|---|---|"]
+    for _, r in extra.iterrows():
+        needed = with_ci(r[f"driver_for_{PAPER_CHURN:g}"], r["driver_for_ci_low"], r["driver_for_ci_high"])
+        lines.append(f"| {READING_LABELS[r['reading']]} | {r['driver_ref']:.3g} | "
+                     f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} | {needed} | "
+                     f"{r['dropped'] or 'none'} |")
+    if "scaling_check" in tables:
+        lines += ["", "Check: the paper-shaped runs (same depth, experts and top-k as the target) are held out of the "
+                  "fit; their measured reading beside the law's prediction at their own median KL per update:", "",
+                  "| reading | lr | runs | KL per update | measured [CI] | predicted [CI] |", "|---|---|---|---|---|---|"]
+        for _, r in tables["scaling_check"].iterrows():
+            lines.append(f"| {READING_LABELS[r['reading']]} | {r['optim.lr']:g} | {int(r['n_runs'])} | {r['driver']:.3g} | "
+                         f"{with_ci(r['measured'], r['measured_ci_low'], r['measured_ci_high'], True)} | "
+                         f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} |")
+    n_terms = fit.groupby("reading")["estimate"].apply(lambda e: int(e.notna().sum())).max()
+    n_runs = int(fit["n_runs"].min())
+    if n_runs < 5 * n_terms:
+        lines += ["", f"Only {n_runs} runs for {n_terms} coefficients: the bootstrap intervals are optimistic and the "
+                  "extrapolation is a rough guide."]
+    lines += ["", near_sentence(near), ""]
+    return text + "\n".join(lines)
+
+
+def near_sentence(near: pd.DataFrame) -> str:
+    """Which cells read 5-20% per update, in which reading, and whether RL learned there."""
+    parts = []
+    for reading, label in READING_LABELS.items():
+        rows = near[near["reading"] == reading]
+        learning = rows[rows["learns"]]
+        if rows.empty:
+            parts.append(f"{label}: no cell")
+            continue
+        names = ", ".join(f"{r.group} ({_pct(r.value)}, {int(r.n_runs)} runs)" for r in learning.itertuples())
+        parts.append(f"{label}: {len(rows)} cell(s), of which RL learns in {len(learning)}"
+                     + (f": {names}" if names else ""))
+    return "Where churn is near the paper's ~10% (5-20% per update): " + "; ".join(parts) + "."
+
+
+def skipped_markdown(skipped: list[str]) -> str:
+    if not skipped:
+        return ""
+    return "\n".join(["", "## Panels left out", "", "Panels whose metric is 0 or missing in every run are not drawn:",
+                      "", *[f"- {item}" for item in skipped], ""])

@@ -1,0 +1,225 @@
+"""A churn scaling law: how each reading of churn grows with the policy change per update, depth, E and K.
+
+Model (fit per reading: slot churn and set change), by least squares over runs:
+
+    log(churn) = a + b log(x) + c log(n_layers) + d log(n_experts) + e log(top_k)
+
+x is the driver: the run's median per-update KL (`kl_median`, the default: churn is a response to how far the
+policy moves, whatever lr moved it) or the learning rate. Why a power law: over the swept range each reading
+rises as a straight line on log-log axes in every variable (results/churn_repro), and a power law is the
+simplest form whose coefficients read as elasticities ("doubling the KL multiplies churn by 2^b"). Both readings
+are bounded by 1, so predictions are capped at 1; near that bound the law overstates (set change saturates as
+1 - (1 - per-slot churn)^K would). A predictor that does not vary across the runs, or that the others already
+determine (E and K swept together), is left out and its coefficient reported as NaN: the law then says nothing
+about it and an extrapolation along it rests on the others alone (`dropped` says which).
+
+Uncertainty: a bootstrap over runs (runs resampled with replacement, the law refit, N_BOOT times, a fixed
+generator), percentile 95% intervals for every coefficient and every prediction. Runs whose reading or driver is
+0 or missing cannot enter a log-log fit; `n_excluded` counts them.
+
+    per_run = run_summary(data)                 # analysis.cells
+    fit_runs, paper_runs = split_target(per_run)   # runs of the 48 / 128 / top-8 arm are held out of the fit
+    law = fit_power_law(fit_runs, "set_change")    # PowerLaw: predictors, coef, r2, predict(), driver_for()
+    table = extrapolation_table(fit_runs)       # the reading at 48 layers / 128 experts / top-8, and the KL
+                                                #   that would give 10% there, with bootstrap CIs
+    held_out_check(fit_runs, paper_runs)        # the prediction beside what the held-out paper-shaped runs measured
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from analysis.aggregate import summarize
+from moe_rl.errors import ConfigError
+
+FITTED_READINGS = ("churn", "set_change")
+DRIVERS = {"kl": "kl_median", "lr": "optim.lr"}
+ARCHITECTURE = ("model.n_layers", "model.n_experts", "model.top_k")
+# The GSPO paper's model (Qwen3-30B-A3B): 48 MoE layers, 128 experts, top-8.
+TARGET = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8}
+PAPER_CHURN = 0.10
+N_BOOT = 1000
+BOOT_SEED = 0
+
+
+@dataclass
+class PowerLaw:
+    """log(reading) = intercept + sum_i coef[i] log(predictors[i]), fit on n runs."""
+
+    reading: str
+    predictors: list[str]
+    intercept: float
+    coef: list[float]
+    r2: float
+    n: int
+    n_excluded: int = 0
+    dropped: list[str] = field(default_factory=list)
+
+    def predict(self, settings: dict[str, float]) -> float:
+        """The reading at `settings` (one value per predictor), capped at 1."""
+        log_value = self.intercept + sum(c * math.log(settings[p]) for p, c in zip(self.predictors, self.coef))
+        return min(1.0, math.exp(log_value))
+
+    def driver_for(self, level: float, settings: dict[str, float]) -> float:
+        """The driver value (first predictor) at which the reading reaches `level` at `settings`."""
+        rest = sum(c * math.log(settings[p]) for p, c in zip(self.predictors[1:], self.coef[1:]))
+        b = self.coef[0]
+        return math.exp((math.log(level) - self.intercept - rest) / b) if b > 0 else float("nan")
+
+
+def _usable(per_run: pd.DataFrame, reading: str, driver: str) -> pd.DataFrame:
+    columns = [reading, driver, *ARCHITECTURE]
+    values = per_run[columns].apply(pd.to_numeric, errors="coerce")
+    return per_run[(values > 0).all(axis=1) & np.isfinite(values).all(axis=1)]
+
+
+def _design(frame: pd.DataFrame, driver: str) -> tuple[np.ndarray, list[str], list[str]]:
+    """Columns [1, log driver, log depth, log E, log K], keeping only those that add rank (in that order)."""
+    X = np.ones((len(frame), 1))
+    kept, dropped = [], []
+    for name in (driver, *ARCHITECTURE):
+        column = np.log(frame[name].to_numpy(dtype=float))[:, None]
+        candidate = np.hstack([X, column])
+        if np.linalg.matrix_rank(candidate, tol=1e-8) > X.shape[1]:
+            X, kept = candidate, [*kept, name]
+        else:
+            dropped.append(name)
+    return X, kept, dropped
+
+
+def fit_power_law(per_run: pd.DataFrame, reading: str = "churn", driver: str = "kl") -> PowerLaw:
+    """Least-squares fit of the law for `reading` ("churn" | "set_change" | "token_any") on per-run rows
+    (analysis.cells.run_summary). Raises ConfigError when the driver does not vary (nothing to fit)."""
+    if driver not in DRIVERS:
+        raise ConfigError(f"driver={driver!r}: use one of {', '.join(DRIVERS)}")
+    driver_column = DRIVERS[driver]
+    frame = _usable(per_run, reading, driver_column)
+    X, kept, dropped = _design(frame, driver_column)
+    if driver_column not in kept:
+        raise ConfigError(f"scaling fit of {reading}: {driver_column} does not vary over the {len(frame)} usable "
+                          "runs; sweep the learning rate")
+    y = np.log(frame[reading].to_numpy(dtype=float))
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    residual = y - X @ beta
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = float(1 - (residual**2).sum() / total) if total > 0 else float("nan")
+    return PowerLaw(reading, kept, float(beta[0]), [float(b) for b in beta[1:]], r2, len(frame),
+                    len(per_run) - len(frame), dropped)
+
+
+def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_boot: int = N_BOOT,
+                   seed: int = BOOT_SEED) -> list[PowerLaw]:
+    """The law refit on `n_boot` resamples (with replacement) of the runs that enter the fit, with the full
+    fit's predictors; resamples in which they are no longer of full rank are skipped."""
+    full = fit_power_law(per_run, reading, driver)
+    frame = _usable(per_run, reading, DRIVERS[driver])
+    X = np.column_stack([np.ones(len(frame)), *[np.log(frame[p].to_numpy(dtype=float)) for p in full.predictors]])
+    y = np.log(frame[reading].to_numpy(dtype=float))
+    rng = np.random.default_rng(seed)
+    laws = []
+    for _ in range(n_boot):
+        rows = rng.integers(0, len(frame), len(frame))
+        beta, _, rank, _ = np.linalg.lstsq(X[rows], y[rows], rcond=None)
+        if rank == X.shape[1]:
+            laws.append(PowerLaw(reading, full.predictors, float(beta[0]), [float(b) for b in beta[1:]],
+                                 math.nan, len(rows), 0, full.dropped))
+    return laws
+
+
+def _interval(values) -> tuple[float, float]:
+    x = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
+    return (float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))) if len(x) else (math.nan, math.nan)
+
+
+def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED_READINGS) -> pd.DataFrame:
+    """One row per reading and term: reading, term, estimate, ci_low, ci_high, r2, n_runs, n_excluded (dropped
+    predictors appear with NaN estimates)."""
+    rows = []
+    for reading in readings:
+        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver)
+        terms = [("intercept", law.intercept, [b.intercept for b in boots])]
+        terms += [(p, c, [b.coef[i] for b in boots]) for i, (p, c) in enumerate(zip(law.predictors, law.coef))]
+        terms += [(p, math.nan, []) for p in law.dropped]
+        for term, estimate, samples in terms:
+            low, high = _interval(samples)
+            rows.append({"reading": reading, "term": term, "estimate": estimate, "ci_low": low, "ci_high": high,
+                         "r2": law.r2, "n_runs": law.n, "n_excluded": law.n_excluded, "n_boot": len(boots)})
+    return pd.DataFrame(rows)
+
+
+def reference_driver(per_run: pd.DataFrame, driver: str = "kl") -> float:
+    """The driver value where RL learns: the median over runs of cells whose held-out gain CI lies above 0
+    (analysis.cells `learns`, passed in as a `learns` column), or over all runs if none learns."""
+    column = DRIVERS[driver]
+    learning = per_run[per_run["learns"]] if "learns" in per_run and per_run["learns"].any() else per_run
+    return float(learning[column].median())
+
+
+def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict | None = None,
+                        readings=FITTED_READINGS, level: float = PAPER_CHURN) -> pd.DataFrame:
+    """Per reading: the reading predicted at `target` (default TARGET: 48 layers, 128 experts, top-8) at the
+    reference driver value (`reference_driver`), and the driver value at which it reaches `level` (10%), each
+    with a bootstrap 95% CI."""
+    target = {**TARGET, **(target or {})}
+    ref = reference_driver(per_run, driver)
+    rows = []
+    for reading in readings:
+        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver)
+        settings = {DRIVERS[driver]: ref, **target}
+        predicted = [b.predict(settings) for b in boots]
+        needed = [b.driver_for(level, settings) for b in boots]
+        rows.append({"reading": reading, "driver": DRIVERS[driver], "driver_ref": ref,
+                     **{k.split(".")[-1]: v for k, v in target.items()},
+                     "predicted": law.predict(settings), "predicted_ci_low": _interval(predicted)[0],
+                     "predicted_ci_high": _interval(predicted)[1], f"driver_for_{level:g}": law.driver_for(level, settings),
+                     "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
+                     "dropped": ",".join(law.dropped)})
+    return pd.DataFrame(rows)
+
+
+def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(runs to fit, runs of the target architecture): runs of the paper-shaped arm (TARGET's depth, E and K)
+    are held out of the fit, so that the extrapolation can be checked against them."""
+    target = {**TARGET, **(target or {})}
+    is_target = np.logical_and.reduce([per_run[k] == v for k, v in target.items()])
+    return per_run[~is_target], per_run[is_target]
+
+
+def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str = "kl",
+                   readings=FITTED_READINGS) -> pd.DataFrame:
+    """Per reading and learning rate of the held-out runs: their measured reading (mean and bootstrap CI over
+    runs) beside the law's prediction at their median driver value (with its bootstrap CI)."""
+    rows = []
+    for reading in readings:
+        law, boots = fit_power_law(fit_runs, reading, driver), bootstrap_laws(fit_runs, reading, driver)
+        for lr, runs in held_out.groupby("optim.lr"):
+            settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
+                        **{k: float(runs[k].iloc[0]) for k in ARCHITECTURE}}
+            measured = summarize(runs[reading])
+            predicted = [b.predict(settings) for b in boots]
+            rows.append({"reading": reading, "optim.lr": lr, "n_runs": measured["n"],
+                         "driver": settings[DRIVERS[driver]], "measured": measured["mean"],
+                         "measured_ci_low": measured["ci_low"], "measured_ci_high": measured["ci_high"],
+                         "predicted": law.predict(settings), "predicted_ci_low": _interval(predicted)[0],
+                         "predicted_ci_high": _interval(predicted)[1]})
+    return pd.DataFrame(rows)
+
+
+def near_level_cells(cells: pd.DataFrame, level: float = PAPER_CHURN, factor: float = 2.0) -> pd.DataFrame:
+    """Cells (analysis.cells.churn_vs_lr_depth rows) where a reading lies within `factor` of `level` (5-20% for
+    10%), with whether RL learned there; one row per (cell, reading)."""
+    rows = []
+    for reading in FITTED_READINGS + ("token_any",):
+        column = f"{reading}_mean"
+        if column not in cells:
+            continue
+        near = cells[(cells[column] >= level / factor) & (cells[column] <= level * factor)]
+        rows += [{"group": r["group"], "reading": reading, "value": r[column], "ci_low": r[f"{reading}_ci_low"],
+                  "ci_high": r[f"{reading}_ci_high"], "n_runs": r["n_runs"], "eval_gain": r["eval_gain_mean"],
+                  "learns": r["learns"]} for _, r in near.iterrows()]
+    return pd.DataFrame(rows, columns=["group", "reading", "value", "ci_low", "ci_high", "n_runs", "eval_gain",
+                                       "learns"])

@@ -1,0 +1,191 @@
+"""analysis/ on constructed data: final evaluations after training, percent tick labels, the within-CI comparison
+of a rerun with the committed table, and the churn scaling fit recovering a known law."""
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from moe_rl.errors import ConfigError
+
+from analysis.aggregate import run_finals, run_initials
+from analysis.compare_committed import compare, main as compare_main
+from analysis.scaling import (bootstrap_laws, extrapolation_table, fit_power_law, held_out_check, near_level_cells,
+                              split_target)
+from analysis.panels import percent_axis
+from analysis.style import PercentFormatter, new_figure, paper
+
+
+# --- final scores ------------------------------------------------------------------------------------------
+
+
+def _steps(evals: dict[int, float], trained: range, last: int) -> pd.DataFrame:
+    rows = [{"run": "r", "step": s, "n_updates": 4 if s in trained else 0, "eval/reward": evals.get(s, np.nan),
+             "reward": 0.1 * s if s in trained else np.nan} for s in range(last + 1)]
+    return pd.DataFrame(rows)
+
+
+def test_run_finals_takes_the_evaluation_after_training_not_the_pre_rl_one():
+    # Evaluations every 10 steps and after training (step 25): the lr 3e-3 case of the committed study, whose
+    # "last 5 evaluations" reached back to the pre-RL 0.137 at step 0.
+    steps = _steps({0: 0.137, 10: 0.05, 20: 0.01, 25: 0.0}, range(25), 25)
+    assert run_finals(steps, "eval/reward", last_k=5)["r"] == 0.0
+    assert run_finals(steps, "eval/reward", last_k=10)["r"] == pytest.approx(0.005)  # steps 15-24: evals 20, 25
+    assert run_finals(steps, "reward", last_k=5)["r"] == pytest.approx(0.1 * np.mean([20, 21, 22, 23, 24]))
+    assert run_initials(steps, "eval/reward", first_k=5)["r"] == 0.137
+    # A run killed at step 22: its only evaluation after the window start (18) is step 20.
+    killed = _steps({0: 0.137, 10: 0.05, 20: 0.01}, range(23), 22)
+    assert run_finals(killed, "eval/reward", last_k=5)["r"] == 0.01
+    # Killed before any evaluation of the trained policy: NaN, not the step-0 value.
+    early = _steps({0: 0.137}, range(8), 7)
+    assert math.isnan(run_finals(early, "eval/reward", last_k=5)["r"])
+
+
+# --- percent ticks -----------------------------------------------------------------------------------------
+
+
+def _parse(label: str) -> float:
+    return float(label.rstrip("%")) / 100
+
+
+@pytest.mark.parametrize("low, high, scale", [(0.01, 0.026, "linear"), (0.0, 0.5, "linear"), (0.0001, 0.00035, "linear"),
+                                              (0.0149, 0.0151, "linear"), (1e-4, 0.3, "log"), (0.02, 0.9, "log"),
+                                              (0.9, 1.0, "linear")])
+def test_percent_tick_labels_are_distinct_and_true(low, high, scale):
+    with paper():
+        fig, axes = new_figure(1, 1)
+        ax = axes[0, 0]
+        ax.set_yscale(scale)
+        ax.set_ylim(low, high)
+        percent_axis(ax.yaxis)  # what every percent axis of the report gets
+        ticks = [t for t in ax.yaxis.get_majorticklocs() if low <= t <= high]
+        labels = ax.yaxis.get_major_formatter().format_ticks(ticks)
+    assert len(ticks) >= 2
+    assert len(set(labels)) == len(labels), labels
+    for tick, label in zip(ticks, labels):
+        decimals = len(label.rstrip("%").partition(".")[2])
+        assert abs(_parse(label) - tick) <= 0.5 * 10 ** -decimals / 100 + 1e-15, (tick, label)
+
+
+def test_percent_labels_keep_the_digits_a_value_needs():
+    fmt = PercentFormatter()
+    assert fmt.format_ticks([0.01, 0.015, 0.02, 0.025]) == ["1%", "1.5%", "2%", "2.5%"]  # was 1%, 2%, 2%, 2%
+    assert fmt.format_ticks([0.0001, 0.001, 0.01, 0.1]) == ["0.01%", "0.1%", "1%", "10%"]
+    assert fmt(0.0) == "0%" and fmt(0.123456) == "12.3%"
+    assert fmt.format_ticks([0.12341, 0.12342]) == ["12.341%", "12.342%"]  # more digits until they differ
+    assert re.fullmatch(r"-?\d+(\.\d+)?%", fmt(-0.05))
+
+
+# --- comparison with the committed table ------------------------------------------------------------------
+
+
+def _cells(rows) -> pd.DataFrame:
+    return pd.DataFrame(rows).set_index("group")
+
+
+def test_compare_flags_a_value_outside_the_committed_ci(tmp_path, capsys):
+    committed = _cells([
+        {"group": "lr=1e-4 layers=8", "churn_mean": 0.015, "churn_ci_low": 0.010, "churn_ci_high": 0.020},
+        {"group": "lr=3e-4 layers=8", "churn_mean": 0.030, "churn_ci_low": 0.025, "churn_ci_high": 0.035},
+        {"group": "lr=1e-3 layers=8", "churn_mean": 0.060, "churn_ci_low": np.nan, "churn_ci_high": np.nan},
+        {"group": "lr=3e-3 layers=8", "churn_mean": 0.100, "churn_ci_low": 0.09, "churn_ci_high": 0.11}])
+    new = _cells([{"group": "lr=1e-4 layers=8", "churn_mean": 0.0083},  # the 1.8x cross-machine move: outside
+                  {"group": "lr=3e-4 layers=8", "churn_mean": 0.031},
+                  {"group": "lr=1e-3 layers=8", "churn_mean": 0.061}])
+    result = compare(new, committed, ["churn"]).set_index("group")["verdict"]
+    assert result.to_dict() == {"lr=1e-4 layers=8": "OUTSIDE", "lr=3e-4 layers=8": "inside",
+                                "lr=1e-3 layers=8": "no CI", "lr=3e-3 layers=8": "missing"}
+    new.reset_index().to_csv(tmp_path / "new.csv", index=False)
+    committed.reset_index().to_csv(tmp_path / "old.csv", index=False)
+    args = [str(tmp_path / "new.csv"), str(tmp_path / "old.csv"), "--metrics", "churn"]
+    assert compare_main(args) == 0
+    out = capsys.readouterr().out
+    assert "OUTSIDE  lr=1e-4 layers=8  churn: new 0.0083, committed 0.015 [0.01, 0.02]" in out
+    assert "1 OUTSIDE, 1 inside, 1 missing, 1 no CI of 4" in out
+    assert compare_main([*args, "--strict"]) == 1
+    assert compare_main([str(tmp_path / "absent.csv"), str(tmp_path / "old.csv")]) == 2
+
+
+# --- the churn scaling fit ---------------------------------------------------------------------------------
+
+LAW = {"intercept": math.log(0.02), "kl_median": 0.6, "model.n_layers": 0.5, "model.n_experts": 0.3,
+       "model.top_k": -0.2}
+
+
+def _synthetic_runs(noise: float, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for layers in (2, 4, 8):
+        for experts, top_k in ((8, 2), (32, 4), (64, 8), (64, 4)):
+            for kl in (1e-4, 1e-3, 1e-2):
+                for _ in range(3):  # seeds
+                    x = kl * math.exp(rng.normal(0, 0.2))
+                    log_churn = LAW["intercept"] + sum(LAW[k] * math.log(v) for k, v in (
+                        ("kl_median", x), ("model.n_layers", layers), ("model.n_experts", experts),
+                        ("model.top_k", top_k)))
+                    churn = math.exp(log_churn + rng.normal(0, noise))
+                    rows.append({"run": f"r{len(rows)}", "kl_median": x, "optim.lr": kl, "model.n_layers": layers,
+                                 "model.n_experts": experts, "model.top_k": top_k, "churn": churn,
+                                 "set_change": min(1.0, 3 * churn), "learns": kl < 5e-3})
+    return pd.DataFrame(rows)
+
+
+def test_scaling_fit_recovers_a_synthetic_power_law_with_honest_intervals():
+    exact = fit_power_law(_synthetic_runs(noise=0.0))
+    assert exact.predictors == ["kl_median", "model.n_layers", "model.n_experts", "model.top_k"]
+    assert exact.intercept == pytest.approx(LAW["intercept"], abs=1e-9)
+    assert exact.coef == pytest.approx([LAW[p] for p in exact.predictors], abs=1e-9) and exact.r2 == pytest.approx(1)
+
+    runs = _synthetic_runs(noise=0.1)
+    law = fit_power_law(runs)
+    assert law.coef == pytest.approx([LAW[p] for p in law.predictors], abs=0.06)
+    boots = bootstrap_laws(runs, "churn", n_boot=200)
+    for i, name in enumerate(law.predictors):
+        low, high = np.percentile([b.coef[i] for b in boots], [2.5, 97.5])
+        assert low < LAW[name] < high, name
+    # Extrapolation to the paper's model at KL 1e-3: the true law's value lies in the bootstrap interval.
+    table = extrapolation_table(runs.assign(learns=runs["optim.lr"] == 1e-3)).set_index("reading")
+    truth = math.exp(LAW["intercept"] + LAW["kl_median"] * math.log(table.loc["churn", "driver_ref"]) + LAW[
+        "model.n_layers"] * math.log(48) + LAW["model.n_experts"] * math.log(128) + LAW["model.top_k"] * math.log(8))
+    assert table.loc["churn", "predicted_ci_low"] < truth < table.loc["churn", "predicted_ci_high"]
+    assert law.predict({"kl_median": law.driver_for(0.1, {"model.n_layers": 48, "model.n_experts": 128,
+                        "model.top_k": 8}), "model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8}) == \
+        pytest.approx(0.1)
+
+
+def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
+    runs = _synthetic_runs(noise=0.05)
+    paper = runs[runs["model.n_layers"] == 8].head(6).assign(**{"model.n_layers": 48, "model.n_experts": 128,
+                                                               "model.top_k": 8})
+    law_value = [math.exp(LAW["intercept"] + LAW["kl_median"] * math.log(kl) + LAW["model.n_layers"] * math.log(48)
+                          + LAW["model.n_experts"] * math.log(128) + LAW["model.top_k"] * math.log(8))
+                 for kl in paper["kl_median"]]
+    paper = paper.assign(churn=law_value, set_change=[min(1.0, 3 * v) for v in law_value])
+    fit_runs, held_out = split_target(pd.concat([runs, paper], ignore_index=True))
+    assert len(held_out) == 6 and len(fit_runs) == len(runs)
+    check = held_out_check(fit_runs, held_out, readings=("churn",))
+    assert list(check["n_runs"]) == [3, 3]  # per learning rate of the held-out runs
+    for r in check.itertuples():
+        assert r.predicted_ci_low < r.measured < r.predicted_ci_high
+
+
+def test_scaling_fit_drops_what_the_runs_do_not_vary_and_refuses_a_fixed_driver():
+    runs = _synthetic_runs(noise=0.0)
+    law = fit_power_law(runs[runs["model.n_experts"] == 64])  # K still varies (4, 8); E does not
+    assert law.dropped == ["model.n_experts"] and "model.top_k" in law.predictors
+    with pytest.raises(ConfigError, match="kl_median does not vary"):
+        fit_power_law(runs.assign(kl_median=1e-3))
+
+
+def test_near_level_cells_name_the_reading_and_whether_rl_learns():
+    cells = pd.DataFrame([
+        {"group": "a", "n_runs": 3, "churn_mean": 0.02, "churn_ci_low": 0.01, "churn_ci_high": 0.03,
+         "set_change_mean": 0.09, "set_change_ci_low": 0.08, "set_change_ci_high": 0.1, "eval_gain_mean": 0.1,
+         "learns": True},
+        {"group": "b", "n_runs": 3, "churn_mean": 0.12, "churn_ci_low": 0.1, "churn_ci_high": 0.14,
+         "set_change_mean": 0.5, "set_change_ci_low": 0.4, "set_change_ci_high": 0.6, "eval_gain_mean": -0.2,
+         "learns": False}])
+    near = near_level_cells(cells)
+    assert near[["group", "reading", "learns"]].values.tolist() == [["b", "churn", False], ["a", "set_change", True]]
