@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
-DISPATCH_MODES = ("grouped", "loop")
+DISPATCH_MODES = ("grouped", "loop", "grouped_mm", "padded")
 # Fields that do not change what the weights mean: a checkpoint loads into a config that differs only in these.
 NON_ARCHITECTURE_FIELDS = ("aux_loss_coef", "z_loss_coef", "dispatch", "max_seq_len", "init_std")
 
@@ -52,7 +52,8 @@ class ModelConfig:
     z_loss_coef: float = 0.0
     """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
     dispatch: str = "grouped"
-    """Expert dispatch: 'grouped' (sort token-slots by expert, grouped matmul) or 'loop' (per-expert reference)."""
+    """Expert dispatch: 'grouped' (sort token-slots by expert; per call the faster of grouped_mm and padded for the
+    shape), 'loop' (per-expert reference), or force one kernel: 'grouped_mm' or 'padded' (batched matmul)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     init_std: float = 0.02

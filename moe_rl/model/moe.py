@@ -59,8 +59,46 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class SlotLayout(NamedTuple):
+    """Token-slots sorted by expert (stable, so each expert sees its tokens in token order)."""
+
+    order_N: torch.Tensor  # slot index (t * K + k) of each sorted position
+    ids_N: torch.Tensor  # expert id of each sorted position
+    counts_E: torch.Tensor  # slots per expert
+
+
+def sort_slots(ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
+    ids_N = ids_TK.reshape(-1)
+    order_N = ids_N.argsort(stable=True)
+    return SlotLayout(order_N, ids_N[order_N], torch.bincount(ids_N, minlength=n_experts))
+
+
+# Padded batched matmuls win while groups are small (many experts, decode steps): one bmm replaces a Python-level
+# loop of E matmuls. They lose once padding adds more work than the loop's per-expert overhead saves.
+PADDED_MAX_MEAN_GROUP = 64  # mean slots per expert at or below which padding is considered
+PADDED_MAX_WASTE = 3.0  # padded rows E * C over real slots N
+
+
+def choose_kernel(device: torch.device, counts_E: torch.Tensor, n_slots: int) -> tuple[str, int]:
+    """('padded', capacity C) or ('grouped_mm', 0) for this call. CUDA always takes grouped_mm (a real grouped
+    kernel, and no host sync); on CPU the choice needs the largest group, one host read per layer."""
+    E = counts_E.numel()
+    if device.type == "cuda" or n_slots > PADDED_MAX_MEAN_GROUP * E:
+        return "grouped_mm", 0
+    capacity = int(counts_E.max())
+    if E * capacity > PADDED_MAX_WASTE * max(n_slots, 1):
+        return "grouped_mm", 0
+    return "padded", capacity
+
+
 class Experts(nn.Module):
-    """E SwiGLU experts as 3-D weights: w_gate_up (E, D, 2F) and w_down (E, F, D)."""
+    """E SwiGLU experts as 3-D weights: w_gate_up (E, D, 2F) and w_down (E, F, D).
+
+    Dispatch paths (they compute the same function and differ only in fp rounding): 'loop' is the reference, one
+    matmul chain per expert; 'grouped_mm' sorts token-slots by expert and runs torch._grouped_mm with group offsets;
+    'padded' scatters the sorted slots into an (E, C, D) buffer padded to the largest group C and runs two batched
+    matmuls; 'grouped' picks grouped_mm or padded per call by shape (`choose_kernel`).
+    """
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, dispatch: str):
         super().__init__()
@@ -70,30 +108,59 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
 
     def forward(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        if self.dispatch == "grouped":
-            return self._grouped(x_TD, weights_TK, ids_TK)
-        return self._loop(x_TD, weights_TK, ids_TK)
+        if self.dispatch == "loop":
+            return self._loop(x_TD, weights_TK, ids_TK)
+        slots = sort_slots(ids_TK, self.n_experts)
+        kernel, capacity = self.dispatch, 0
+        if kernel == "grouped":
+            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel())
+        elif kernel == "padded":
+            capacity = int(slots.counts_E.max())
+        if kernel == "padded":
+            return self._padded(x_TD, weights_TK, slots, capacity)
+        return self._grouped_mm(x_TD, weights_TK, slots)
 
-    def _grouped(self, x_TD, weights_TK, ids_TK):
-        """Sort token-slots by expert and run all experts as two grouped matmuls."""
-        T, K = ids_TK.shape
+    def _grouped_mm(self, x_TD, weights_TK, slots: SlotLayout):
+        """All experts as two grouped matmuls over the sorted token-slots."""
+        T, K = weights_TK.shape
         dtype = _compute_dtype(x_TD)
-        ids_N = ids_TK.reshape(-1)
-        slot_order_N = ids_N.argsort(stable=True)
-        token_of_slot_N = slot_order_N // K
-        tokens_per_expert_E = torch.bincount(ids_N, minlength=self.n_experts)
-        group_ends_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-
-        x_ND = x_TD[token_of_slot_N].to(dtype)
+        group_ends_E = slots.counts_E.cumsum(0).to(torch.int32)
+        token_of_slot_N = slots.order_N // K
+        x_ND = x_TD.index_select(0, token_of_slot_N).to(dtype)
         gate_up_N2F = torch._grouped_mm(x_ND, self.w_gate_up.to(dtype), offs=group_ends_E)
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         hidden_NF = F.silu(gate_NF) * up_NF
         y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
-
-        gate_weight_N = weights_TK.reshape(-1)[slot_order_N]
+        gate_weight_N = weights_TK.reshape(-1).index_select(0, slots.order_N)
         y_ND = y_ND.float() * gate_weight_N[:, None]
         out_TD = torch.zeros(T, x_TD.shape[1], device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_slot_N, y_ND).to(x_TD.dtype)
+
+    def _padded(self, x_TD, weights_TK, slots: SlotLayout, capacity: int):
+        """Two batched matmuls over an (E, C, D) buffer: row e * C + r holds expert e's r-th slot. Padding rows
+        read a zero row (index T) and add into a row that is dropped, so they change no output and no gradient."""
+        T, K = weights_TK.shape
+        E, C, D = self.n_experts, capacity, x_TD.shape[1]
+        dtype = _compute_dtype(x_TD)
+        rows_N = self._buffer_rows(slots, C)
+        token_of_row_R = torch.full((E * C,), T, device=x_TD.device, dtype=torch.long)
+        token_of_row_R = token_of_row_R.index_copy(0, rows_N, slots.order_N // K)
+        weight_R = weights_TK.new_zeros(E * C).index_copy(0, rows_N, weights_TK.reshape(-1)[slots.order_N])
+        x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, D)])
+        x_ECD = x_padded_TD.index_select(0, token_of_row_R).to(dtype).view(E, C, D)
+        gate_ECF, up_ECF = torch.bmm(x_ECD, self.w_gate_up.to(dtype)).chunk(2, dim=-1)
+        hidden_ECF = F.silu(gate_ECF) * up_ECF
+        y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
+        y_RD = y_RD.float() * weight_R[:, None]
+        out_TD = torch.zeros(T + 1, D, device=x_TD.device, dtype=torch.float32)
+        return out_TD.index_add(0, token_of_row_R, y_RD)[:T].to(x_TD.dtype)
+
+    @staticmethod
+    def _buffer_rows(slots: SlotLayout, capacity: int) -> torch.Tensor:
+        """Buffer row of each sorted slot: expert * C + its rank within the expert's group."""
+        starts_E = slots.counts_E.cumsum(0) - slots.counts_E
+        rank_N = torch.arange(slots.ids_N.numel(), device=slots.ids_N.device) - starts_E[slots.ids_N]
+        return slots.ids_N * capacity + rank_N
 
     def _loop(self, x_TD, weights_TK, ids_TK):
         """Reference path: one plain matmul chain per expert that received tokens."""
