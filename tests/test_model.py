@@ -82,10 +82,25 @@ def test_dispatch_paths_agree_when_experts_get_no_tokens(dispatch):
         assert_close_to_scale(grad, grads_l[name], msg=name)
 
 
+def test_auxiliary_losses_mask_padding_like_dropping_it():
+    from moe_rl.model.moe import load_balancing_loss, router_z_loss
+
+    logits_TE = torch.randn(12, 6)
+    scores_TE, ids_TK = logits_TE.softmax(-1), logits_TE.topk(2, dim=-1).indices
+    valid_T = torch.tensor([True] * 7 + [False] * 5)
+    dropped = load_balancing_loss(scores_TE[valid_T], ids_TK[valid_T])
+    torch.testing.assert_close(load_balancing_loss(scores_TE, ids_TK, valid_T), dropped)
+    torch.testing.assert_close(router_z_loss(logits_TE, valid_T), router_z_loss(logits_TE[valid_T]))
+    assert load_balancing_loss(scores_TE, ids_TK, valid_T) != load_balancing_loss(scores_TE, ids_TK)
+
+
 def test_grouped_dispatch_picks_the_kernel_by_shape():
     cpu = torch.device("cpu")
     balanced_small = torch.full((128,), 4)  # decode-like: 4 slots per expert
     assert choose_kernel(cpu, balanced_small, 512) == ("padded", 4)
+    nearly_balanced = balanced_small.clone()
+    nearly_balanced[0] = 10
+    assert choose_kernel(cpu, nearly_balanced, 518) == ("padded", 10)  # 1280 rows for 518 slots
     assert choose_kernel(cpu, torch.full((8,), 256), 2048) == ("grouped_mm", 0)  # large groups
     skewed = torch.zeros(128, dtype=torch.long)
     skewed[0] = 400
