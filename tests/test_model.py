@@ -107,6 +107,8 @@ def test_grouped_dispatch_picks_the_kernel_by_shape():
     skewed[1:] = 1
     assert choose_kernel(cpu, skewed, 527) == ("grouped_mm", 0)  # one hot expert: padding would be 97% waste
     assert choose_kernel(torch.device("cuda"), balanced_small, 512) == ("grouped_mm", 0)
+    # bf16 grouped_mm on CUDA needs 16-byte aligned rows; odd widths take the padded bmm instead
+    assert choose_kernel(torch.device("cuda"), balanced_small, 512, aligned=False) == ("padded", 4)
 
 
 def test_padding_does_not_change_real_tokens():

@@ -82,10 +82,14 @@ PADDED_MAX_MEAN_GROUP = 8  # mean slots per expert at or below which padding is 
 PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N
 
 
-def choose_kernel(device: torch.device, counts_E: torch.Tensor, n_slots: int) -> tuple[str, int]:
-    """('padded', capacity C) or ('grouped_mm', 0) for this call. CUDA always takes grouped_mm (a real grouped
-    kernel, and no host sync); on CPU the choice needs the largest group, one host read per layer."""
+def choose_kernel(device: torch.device, counts_E: torch.Tensor, n_slots: int,
+                  aligned: bool = True) -> tuple[str, int]:
+    """('padded', capacity C) or ('grouped_mm', 0) for this call. CUDA takes grouped_mm (a real grouped kernel, and
+    no host sync) unless the widths break its 16-byte alignment (`aligned`: D and F multiples of 8), where the
+    padded bmm has no such constraint. On CPU the choice needs the largest group, one host read per layer."""
     E = counts_E.numel()
+    if device.type == "cuda" and not aligned:
+        return "padded", int(counts_E.max())
     if device.type == "cuda" or n_slots > PADDED_MAX_MEAN_GROUP * E:
         return "grouped_mm", 0
     capacity = int(counts_E.max())
@@ -116,7 +120,8 @@ class Experts(nn.Module):
         slots = sort_slots(ids_TK, self.n_experts)
         kernel, capacity = self.dispatch, 0
         if kernel == "grouped":
-            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel())
+            aligned = self.w_down.shape[1] % 8 == 0 and self.w_down.shape[2] % 8 == 0  # F and D
+            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned)
         elif kernel == "padded":
             capacity = int(slots.counts_E.max())
         if kernel == "padded":
