@@ -48,9 +48,10 @@ reproduce-all: reproduce
 	$(BIN)/moe-rl sweep objective_comparison --workers $(WORKERS)
 	$(BIN)/moe-rl report sweeps/objective_comparison --out results/objective_comparison
 
-# Speed and overhead benchmarks (scripts, not tests); they write results/bench/.
+# Speed and overhead benchmarks (scripts, not tests; about 10 min on 2 cores); they write results/bench/*.md and *.csv.
 bench: install
 	$(BIN)/python -m benchmarks.bench_model
+	$(BIN)/python -m benchmarks.bench_step
 	$(BIN)/python -m benchmarks.bench_probes
 
 clean:

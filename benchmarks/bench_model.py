@@ -1,63 +1,49 @@
-"""Benchmark the native MoE transformer and its sampler on CPU.
+"""Speed of the native MoE transformer against Hugging Face Qwen3-MoE of the same size, on CPU (one thread).
 
-Measures, on one thread (see README, "Threads"):
-1. forward+backward time of the native model with grouped dispatch, with the per-expert loop dispatch, and of
-   Hugging Face transformers' Qwen3-MoE built from a config of the same size (no download; each HF model is built
-   from its own copy of the config, one per experts implementation);
-2. sampler throughput (new tokens per second) with the KV cache and with prefix recomputation, at batch 64 and
-   64 new tokens.
+Three measures, each with its contenders interleaved in one run (medians of wall and of CPU time, and their ratios):
+1. forward+backward of the whole model: native (dispatch 'grouped', and the 'loop' reference) vs HF Qwen3-MoE
+   built from a config of the same size (no download; experts implementation 'grouped_mm');
+2. sampling: `moe_rl.rollout.generate` vs HF `generate`, batch 64, prompt 16, 64 new tokens, sampling on
+   (temperature 1, no top-k, top-p 1), every sequence running the full length (EOS never ends one);
+3. the `Experts` module alone on 1,024 tokens, forward+backward, per dispatch kernel, against a dense matmul chain
+   of the same FLOPs (x_ND @ W_D2F, h_NF @ W_FD over N = T*K rows): the matmul limit.
 
-Writes `results/bench/model.json` and `results/bench/model.md` and prints the table.
+What it simplifies: random weights and tokens (routing at init is near-balanced, which favours no kernel in
+particular: 'grouped' picks its kernel per call from the actual group sizes). CPU only; the GPU path is checked by
+tests/test_gpu.py, not timed here.
 
-    python -m benchmarks.bench_model            # full benchmark (a few minutes on CPU)
-    python -m benchmarks.bench_model --quick    # smaller repeat counts
+    python -m benchmarks.bench_model            # about 3 minutes on a quiet CPU
+    python -m benchmarks.bench_model --quick    # fewer repeats
+Writes results/bench/model.md and results/bench/model.csv.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import interleaved, write_csv
 from moe_rl.model import ModelConfig, MoETransformer
+from moe_rl.model.moe import Experts
 from moe_rl.rollout import SamplingConfig, generate
 
-SIZES = {
-    # name: (ModelConfig kwargs, batch, seq_len)
-    "tiny": (dict(vocab_size=99, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2,
-                  d_expert=64, max_seq_len=256), 16, 64),
-    "small": (dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, n_experts=16, top_k=4,
-                   d_expert=256, max_seq_len=256), 8, 128),
+COMMON = dict(d_model=64, n_heads=4, n_kv_heads=2, vocab_size=99, max_seq_len=256)
+SHAPES = {
+    # name: (ModelConfig kwargs, batch, seq_len) — the three shapes of the performance issue
+    "d64 L4 E8 K2 F64": (dict(COMMON, n_layers=4, n_experts=8, top_k=2, d_expert=64), 16, 64),
+    "d64 L8 E128 K8 F32": (dict(COMMON, n_layers=8, n_experts=128, top_k=8, d_expert=32), 16, 64),
+    "d256 L4 E16 K4 F256": (dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, n_experts=16,
+                                 top_k=4, d_expert=256, max_seq_len=256), 8, 128),
 }
+SAMPLER_SHAPES = ("d64 L4 E8 K2 F64", "d64 L8 E128 K8 F32")
+EXPERT_KERNELS = ("grouped", "grouped_mm", "padded", "loop")
 
 
-def median_time(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def fwd_bwd_native(model: MoETransformer, ids):
-    def step():
-        model.zero_grad(set_to_none=True)
-        out = model(ids)
-        (out.logits_BSV.float().logsumexp(-1).mean() + out.aux_loss).backward()
-
-    return step
-
-
-def hf_qwen3_moe(cfg: ModelConfig, experts_implementation: str):
+def hf_qwen3_moe(cfg: ModelConfig):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     hf_cfg = Qwen3MoeConfig(
@@ -68,96 +54,158 @@ def hf_qwen3_moe(cfg: ModelConfig, experts_implementation: str):
         max_position_embeddings=cfg.max_seq_len, output_router_logits=True,
         router_aux_loss_coef=cfg.aux_loss_coef, tie_word_embeddings=False,
     )
-    model = Qwen3MoeForCausalLM(copy.deepcopy(hf_cfg))  # each model from its own copy of the config
-    model.set_experts_implementation(experts_implementation)
-    model.config.use_cache = False
+    model = Qwen3MoeForCausalLM(copy.deepcopy(hf_cfg))
+    model.set_experts_implementation("grouped_mm")
     return model
 
 
-def fwd_bwd_hf(model, ids):
+def native_step(model, ids):
     def step():
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, use_cache=False)
-        loss = out.logits.float().logsumexp(-1).mean() + model.config.router_aux_loss_coef * out.aux_loss
-        loss.backward()
-
+        out = model(ids)
+        (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
     return step
 
 
-def bench_fwd_bwd(size: str, warmup: int, repeat: int) -> dict:
-    kwargs, batch, seq_len = SIZES[size]
+def hf_step(model, ids):
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, use_cache=False)
+        (out.logits.logsumexp(-1).mean() + model.config.router_aux_loss_coef * out.aux_loss).backward()
+    return step
+
+
+def bench_fwd_bwd(name: str, repeat: int) -> list[dict]:
+    kwargs, batch, seq_len = SHAPES[name]
     cfg = ModelConfig(**kwargs)
+    torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    torch.manual_seed(0)
-    grouped = MoETransformer(cfg)
+    native = MoETransformer(cfg)
     loop = MoETransformer(ModelConfig(**{**kwargs, "dispatch": "loop"}))
-    loop.load_state_dict(grouped.state_dict())
-    row = {"size": size, "batch": batch, "seq_len": seq_len, "params": grouped.num_params()}
-    row["native_grouped_s"] = median_time(fwd_bwd_native(grouped, ids), warmup, repeat)
-    row["native_loop_s"] = median_time(fwd_bwd_native(loop, ids), warmup, repeat)
-    for impl in ("grouped_mm", "eager"):
-        row[f"hf_{impl}_s"] = median_time(fwd_bwd_hf(hf_qwen3_moe(cfg, impl), ids), warmup, repeat)
-    return row
+    loop.load_state_dict(native.state_dict())
+    times = interleaved({"native": native_step(native, ids), "native loop": native_step(loop, ids),
+                         "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
+    return [{"section": "fwd_bwd", "shape": name, "tokens": f"{batch}x{seq_len}", "contender": c, **t}
+            for c, t in times.items()]
 
 
-def bench_sampler(batch: int, new_tokens: int, prompt_len: int, repeat: int) -> dict:
-    cfg = ModelConfig(**SIZES["tiny"][0])
+def bench_sampler(name: str, repeat: int, batch=64, prompt_len=16, new_tokens=64) -> list[dict]:
+    from transformers import GenerationConfig
+
+    cfg = ModelConfig(**SHAPES[name][0])
     torch.manual_seed(0)
-    model = MoETransformer(cfg).eval()
+    native = MoETransformer(cfg).eval()
+    hf = hf_qwen3_moe(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len))
     valid = torch.ones_like(ids, dtype=torch.bool)
-    # EOS id outside the vocabulary: every sequence runs the full 64 tokens, so both paths do equal work.
     sampling = SamplingConfig(max_new_tokens=new_tokens)
-    row = {"batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len}
-    for use_cache in (True, False):
-        def run():
-            generate(model, ids, valid, sampling, eos_id=-1, pad_id=0,
-                     generator=torch.Generator().manual_seed(0), use_cache=use_cache)
-        seconds = median_time(run, 1, repeat)
-        row["cached_tok_s" if use_cache else "recompute_tok_s"] = batch * new_tokens / seconds
-    return row
+    hf_gen = GenerationConfig(do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens, top_k=0,
+                              top_p=1.0, temperature=1.0, eos_token_id=None, pad_token_id=0)
+
+    def run_native():  # EOS id -1 never occurs: every row runs the full length
+        generate(native, ids, valid, sampling, eos_id=-1, pad_id=0, generator=torch.Generator().manual_seed(0))
+
+    def run_hf():
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=valid.long(), generation_config=hf_gen)
+        assert out.shape == (batch, prompt_len + new_tokens)
+
+    times = interleaved({"native generate": run_native, "HF generate": run_hf}, repeat)
+    return [{"section": "sampler", "shape": name, "tokens": f"{batch}x({prompt_len}+{new_tokens})", "contender": c,
+             **t, "tok_s_wall": batch * new_tokens / t["wall"], "tok_s_cpu": batch * new_tokens / t["cpu"]}
+            for c, t in times.items()]
 
 
-def markdown(fwd_rows: list[dict], sampler: dict, command: str) -> str:
+def bench_experts(name: str, repeat: int, tokens: int = 1024) -> list[dict]:
+    cfg = ModelConfig(**SHAPES[name][0])
+    D, F, E, K = cfg.d_model, cfg.d_expert, cfg.n_experts, cfg.top_k
+    torch.manual_seed(0)
+    experts = Experts(E, D, F, "grouped")
+    torch.nn.init.normal_(experts.w_gate_up, std=cfg.init_std)
+    torch.nn.init.normal_(experts.w_down, std=cfg.init_std)
+    x_TD = torch.randn(tokens, D, requires_grad=True)
+    scores_TE = torch.randn(tokens, E).softmax(-1)
+    ids_TK = scores_TE.topk(K, dim=-1).indices
+    weights_TK = scores_TE.gather(-1, ids_TK).requires_grad_()
+    fns = {}
+    for kernel in EXPERT_KERNELS:
+        module = copy.deepcopy(experts)
+        module.dispatch = kernel
+        fns[kernel] = lambda m=module: m(x_TD, weights_TK, ids_TK).sum().backward()
+    a_ND = torch.randn(tokens * K, D, requires_grad=True)
+    w1 = torch.randn(D, 2 * F, requires_grad=True)
+    h_NF = torch.randn(tokens * K, F, requires_grad=True)
+    w2 = torch.randn(F, D, requires_grad=True)
+    fns["dense limit"] = lambda: ((a_ND @ w1).sum() + (h_NF @ w2).sum()).backward()
+    flops = 3 * 2 * tokens * K * (D * 2 * F + F * D)  # forward + backward (2x forward) of both matmuls
+    times = interleaved(fns, repeat)
+    dense = times["dense limit"]
+    return [{"section": "experts", "shape": name, "tokens": str(tokens), "contender": c, **t,
+             "gflops_wall": flops / t["wall"] / 1e9, "gflops_cpu": flops / t["cpu"] / 1e9,
+             "of_dense_cpu": dense["cpu"] / t["cpu"], "of_dense_wall": dense["wall"] / t["wall"]}
+            for c, t in times.items()]
+
+
+def _ratio(rows, section, shape, ours, theirs, key):
+    pick = {r["contender"]: r for r in rows if r["section"] == section and r["shape"] == shape}
+    return pick[theirs][key] / pick[ours][key]
+
+
+def markdown(rows: list[dict], command: str) -> str:
     lines = [
-        "# Model and sampler speed (CPU, 1 thread)", "", f"Command: `{command}`", "",
-        f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}", "",
-        "## Forward + backward (median seconds per step)", "",
-        "| size | tokens | params (total / active) | native grouped | native loop | HF Qwen3-MoE grouped_mm "
-        "| HF Qwen3-MoE eager | grouped vs HF best |",
-        "|---|---|---|---|---|---|---|---|",
+        "# Model, sampler and expert-kernel speed (CPU, 1 thread)", "",
+        f"Command: `{command}`  ", f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread, "
+        f"torch {torch.__version__}. Contenders interleaved; medians of wall and CPU (process) time. "
+        "GPU benchmark: not run (no GPU in this session).", "",
+        "## Forward + backward", "",
+        "| shape | tokens | native | native loop | HF Qwen3-MoE | HF / native (wall) | HF / native (CPU) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in fwd_rows:
-        hf_best = min(r["hf_grouped_mm_s"], r["hf_eager_s"])
-        lines.append(
-            f"| {r['size']} | {r['batch']}x{r['seq_len']} | {r['params']['total']:,} / {r['params']['active']:,} "
-            f"| {r['native_grouped_s']:.4f} | {r['native_loop_s']:.4f} | {r['hf_grouped_mm_s']:.4f} "
-            f"| {r['hf_eager_s']:.4f} | {hf_best / r['native_grouped_s']:.2f}x |"
-        )
-    speedup = sampler["cached_tok_s"] / sampler["recompute_tok_s"]
-    lines += [
-        "", f"## Sampler (tiny model, batch {sampler['batch']}, prompt {sampler['prompt_len']}, "
-        f"{sampler['new_tokens']} new tokens)", "",
-        "| KV cache | recompute prefix | speed-up |", "|---|---|---|",
-        f"| {sampler['cached_tok_s']:.0f} tok/s | {sampler['recompute_tok_s']:.0f} tok/s | {speedup:.1f}x |",
-    ]
+    for shape in SHAPES:
+        pick = {r["contender"]: r for r in rows if r["section"] == "fwd_bwd" and r["shape"] == shape}
+        cell = lambda c: f"{pick[c]['wall'] * 1e3:.1f} ms ({pick[c]['cpu'] * 1e3:.1f} CPU)"
+        hf_over_native = {key: _ratio(rows, "fwd_bwd", shape, "native", "HF Qwen3-MoE", key) for key in ("wall", "cpu")}
+        lines.append(f"| {shape} | {pick['native']['tokens']} | {cell('native')} | {cell('native loop')} "
+                     f"| {cell('HF Qwen3-MoE')} | {hf_over_native['wall']:.2f}x | {hf_over_native['cpu']:.2f}x |")
+    lines += ["", "## Sampling: batch 64, prompt 16, 64 new tokens, every sequence full length", "",
+              "| shape | native tok/s (wall / CPU) | HF generate tok/s (wall / CPU) | native / HF (wall) "
+              "| native / HF (CPU) |", "|---|---|---|---|---|"]
+    for shape in SAMPLER_SHAPES:
+        pick = {r["contender"]: r for r in rows if r["section"] == "sampler" and r["shape"] == shape}
+        n, h = pick["native generate"], pick["HF generate"]
+        lines.append(f"| {shape} | {n['tok_s_wall']:,.0f} / {n['tok_s_cpu']:,.0f} | {h['tok_s_wall']:,.0f} / "
+                     f"{h['tok_s_cpu']:,.0f} | {n['tok_s_wall'] / h['tok_s_wall']:.2f}x "
+                     f"| {n['tok_s_cpu'] / h['tok_s_cpu']:.2f}x |")
+    lines += ["", "## Expert matmuls: the `Experts` module alone, 1,024 tokens, forward + backward", "",
+              "GFLOP/s of CPU time (share of the dense-matmul limit of equal FLOPs). 'grouped' is the default: it "
+              "picks grouped_mm or padded per call.", "",
+              "| shape | " + " | ".join(EXPERT_KERNELS) + " | dense limit |",
+              "|---|" + "---|" * (len(EXPERT_KERNELS) + 1)]
+    for shape in SHAPES:
+        pick = {r["contender"]: r for r in rows if r["section"] == "experts" and r["shape"] == shape}
+        cells = [f"{pick[k]['gflops_cpu']:.1f} ({100 * pick[k]['of_dense_cpu']:.0f}%)" for k in EXPERT_KERNELS]
+        lines.append(f"| {shape} | " + " | ".join(cells) + f" | {pick['dense limit']['gflops_cpu']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier numbers)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for model.json/model.md")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see README)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for model.md / model.csv")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    warmup, repeat = (1, 3) if args.quick else (2, 7)
-    fwd_rows = [bench_fwd_bwd(size, warmup, repeat) for size in SIZES]
-    sampler = bench_sampler(batch=64, new_tokens=64, prompt_len=16, repeat=repeat)
+    torch.set_num_threads(1)
+    repeat = 3 if args.quick else 7
+    rows = []
+    for shape in SHAPES:
+        rows += bench_fwd_bwd(shape, repeat)
+    for shape in SAMPLER_SHAPES:
+        rows += bench_sampler(shape, max(3, repeat // 2))
+    for shape in SHAPES:
+        rows += bench_experts(shape, repeat * 2)
     command = "python -m benchmarks.bench_model" + (" --quick" if args.quick else "")
-    report = markdown(fwd_rows, sampler, command)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "model.json").write_text(json.dumps({"fwd_bwd": fwd_rows, "sampler": sampler}, indent=2))
+    write_csv(args.out / "model.csv", rows)
+    report = markdown(rows, command)
     (args.out / "model.md").write_text(report)
     print(report)
 

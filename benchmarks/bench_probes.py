@@ -2,8 +2,9 @@
 
 1. Recording overhead: one training step (forward, backward, AdamW step) on a minibatch, with and without a
    routing record session around the forward. Target: recording costs at most 3% of a training step.
-2. Update-probe cost: `Prober.after_update` (what the trainer runs after every optimizer step) against one plain
-   no-grad forward of the probed tokens. Target: at most the cost of that one forward.
+2. Update-probe cost on the whole batch (`probes.sequences=None`): `Prober.after_update` (what the trainer runs
+   after every optimizer step) against one plain no-grad forward of the probed tokens. Target: at most the cost of
+   that one forward.
 
 Timings interleave the variants (A B A B ...) and report medians, so drift on a shared machine hits both.
 Writes `results/bench/probes.json` and `results/bench/probes.md` and prints the table.
@@ -88,7 +89,7 @@ def bench(model_cfg: ModelConfig, rows: int, minibatches: int, new_tokens: int, 
         "forward_plain": lambda: no_grad_forward(model, minibatch, record=False),
         "forward_recorded": lambda: no_grad_forward(model, minibatch, record=True),
     }, repeat)
-    prober = Prober(ProbeConfig(), batch, chunks, temperature=1.0, seed=0, step=0)
+    prober = Prober(ProbeConfig(sequences=None), batch, chunks, temperature=1.0, seed=0, step=0)
     prober.start(model, 0, None, None, model_cfg.n_experts)
 
     def plain_forward():
@@ -145,7 +146,8 @@ def main() -> None:
     rows = []
     for size, cfg in SIZES.items():
         rows.append({"size": size, **bench(cfg, rows=128, minibatches=4, new_tokens=16, repeat=args.repeat)})
-    report = markdown(rows, "python -m benchmarks.bench_probes")
+    command = "python -m benchmarks.bench_probes" + (f" --repeat {args.repeat}" if args.repeat != 21 else "")
+    report = markdown(rows, command)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probes.json").write_text(json.dumps(rows, indent=2))
     (args.out / "probes.md").write_text(report)

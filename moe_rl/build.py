@@ -85,12 +85,18 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup to a constant learning rate."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
+    """AdamW with linear warmup to a constant learning rate. Fused (one kernel over all parameters) where torch has
+    it: about 3x faster than the default per-parameter loop on CPU for a 39M-parameter model (benchmarks/)."""
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, fused=_fused_adamw_supported(params))
     warmup = cfg.warmup_steps
 
     def factor(step: int) -> float:
         return min(1.0, (step + 1) / warmup) if warmup else 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _fused_adamw_supported(params) -> bool:
+    return all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)

@@ -10,9 +10,10 @@ Each probe compares two routings (A, B) of the same tokens (docs/design.md secti
 | rollout   | the sampler's routing           | the trainer's theta_old pass       | rollout steps      |
 | noise     | theta_old                       | theta_old again, same tokens       | rollout steps      |
 
-All probe forwards are native (no replay), run under no grad on the probe rows (the whole rollout batch, or a
-fixed-size random subsample drawn from a generator of their own), in the same row chunks as the old pass, so
-unchanged parameters read exactly 0 on CPU. The training RNG and the model are untouched.
+All probe forwards are native (no replay), run under no grad on the probe rows (by default a random subsample of 32
+sequences per rollout step, drawn from a generator of their own; the whole batch when it is no larger, or with
+`sequences=None`), all in one fixed row-chunk layout, so unchanged parameters read exactly 0 on CPU. The training RNG
+and the model are untouched.
 
 One native forward after each optimizer step serves the update probe (after vs before), the next step's
 "before", the staleness probe (vs theta_old) and the per-update policy change (k3 KL and mean |log w| between
@@ -44,9 +45,10 @@ class ProbeConfig:
     every: dict[str, int] = field(default_factory=dict)
     """Cadence per probe, e.g. `update 4`: every 4th optimizer step (update, staleness, replay) or rollout step
     (rollout, noise). Probes not listed run every time."""
-    sequences: int | None = None
-    """Probe a random subsample of this many sequences per rollout step instead of the whole batch (under torchrun:
-    this many on each rank, from its own rows)."""
+    sequences: int | None = 32
+    """Probe a random subsample of this many sequences per rollout step (under torchrun: this many on each rank, from
+    its own rows); None probes the whole batch. The default keeps probes near a fifth of an RL step at 16 x 8 rollouts
+    (each probe forward then costs a quarter of an old pass); batches of at most this many rows are probed whole."""
     tokens: str = "response"
     """Tokens compared: 'response' (positions that score a response token) or 'all' real positions."""
 

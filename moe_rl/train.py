@@ -326,8 +326,10 @@ class Trainer:
         # Every rank agrees, so a NaN in one rank's loss stops every rank (their gradients are all-reduced already).
         finite = distributed.all_true(math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["grad_norm"]))
         if finite:  # a non-finite step is never taken; rl_step logs it and stops the run
+            t_optimizer = time.perf_counter()
             self.optimizer.step()
             self.scheduler.step()
+            metrics["time/optimizer"] = time.perf_counter() - t_optimizer
         metrics["time/update"] = time.perf_counter() - t_update
         if finite:
             t_after = time.perf_counter()

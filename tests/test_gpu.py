@@ -13,10 +13,13 @@ pytestmark = [
 ]
 
 
-def test_grouped_and_loop_dispatch_agree_in_bf16_on_cuda():
-    # bf16 grouped_mm on CUDA wants 16-byte aligned rows: widths that are multiples of 8.
-    grouped = tiny_model(d_model=64, d_expert=64).cuda()
-    loop = MoETransformer(tiny_config(d_model=64, d_expert=64, dispatch="loop")).cuda()
+@pytest.mark.parametrize("dispatch, d_expert", [("grouped", 64), ("grouped_mm", 64), ("padded", 64),
+                                               ("grouped", 20)])
+def test_grouped_and_loop_dispatch_agree_in_bf16_on_cuda(dispatch, d_expert):
+    # bf16 grouped_mm on CUDA wants 16-byte aligned rows (widths that are multiples of 8); with d_expert 20,
+    # 'grouped' takes the padded bmm instead.
+    grouped = tiny_model(d_model=64, d_expert=d_expert, dispatch=dispatch).cuda()
+    loop = MoETransformer(tiny_config(d_model=64, d_expert=d_expert, dispatch="loop")).cuda()
     loop.load_state_dict(grouped.state_dict())
     ids = torch.randint(0, 40, (4, 16), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_config, tiny_model
 from moe_rl.errors import ConfigError
 from moe_rl.model import MoETransformer
+from moe_rl.model.moe import choose_kernel
 
 
 @pytest.mark.parametrize(
@@ -43,10 +44,18 @@ def _forward_backward(model, ids, valid):
     return out.logits_BSV.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+# Every fast path against the loop reference, at a few-experts and a many-experts shape; "grouped" picks one of the
+# other two per call (test_grouped_dispatch_picks_the_kernel_by_shape).
+FAST_DISPATCH = ["grouped", "grouped_mm", "padded"]
+SHAPE_CLASSES = {"few_experts": dict(n_experts=6, top_k=2), "many_experts": dict(n_experts=32, top_k=8)}
+
+
+@pytest.mark.parametrize("dispatch", FAST_DISPATCH)
+@pytest.mark.parametrize("shape", list(SHAPE_CLASSES))
 @pytest.mark.parametrize("d_shared_expert", [0, 16])
-def test_grouped_and_loop_dispatch_agree(d_shared_expert):
-    grouped = tiny_model(dispatch="grouped", d_shared_expert=d_shared_expert)
-    loop = MoETransformer(tiny_config(dispatch="loop", d_shared_expert=d_shared_expert))
+def test_grouped_and_loop_dispatch_agree(dispatch, shape, d_shared_expert):
+    grouped = tiny_model(dispatch=dispatch, d_shared_expert=d_shared_expert, **SHAPE_CLASSES[shape])
+    loop = MoETransformer(tiny_config(dispatch="loop", d_shared_expert=d_shared_expert, **SHAPE_CLASSES[shape]))
     loop.load_state_dict(grouped.state_dict())
     ids = torch.randint(0, 40, (3, 11))
     valid = torch.ones(3, 11, dtype=torch.bool)
@@ -57,8 +66,9 @@ def test_grouped_and_loop_dispatch_agree(d_shared_expert):
         assert_close_to_scale(grad, grads_l[name], msg=name)
 
 
-def test_dispatch_paths_agree_when_experts_get_no_tokens():
-    grouped = tiny_model(n_experts=8, top_k=1, dispatch="grouped")
+@pytest.mark.parametrize("dispatch", FAST_DISPATCH)
+def test_dispatch_paths_agree_when_experts_get_no_tokens(dispatch):
+    grouped = tiny_model(n_experts=8, top_k=1, dispatch=dispatch)
     loop = MoETransformer(tiny_config(n_experts=8, top_k=1, dispatch="loop"))
     loop.load_state_dict(grouped.state_dict())
     ids, valid = torch.randint(0, 40, (1, 3)), torch.ones(1, 3, dtype=torch.bool)  # 3 tokens, 8 experts
@@ -70,6 +80,35 @@ def test_dispatch_paths_agree_when_experts_get_no_tokens():
     assert idle_experts >= 5, "with 3 tokens and top-1, at least 5 of 8 experts must be idle"
     for name, grad in grads_g.items():
         assert_close_to_scale(grad, grads_l[name], msg=name)
+
+
+def test_auxiliary_losses_mask_padding_like_dropping_it():
+    from moe_rl.model.moe import load_balancing_loss, router_z_loss
+
+    logits_TE = torch.randn(12, 6)
+    scores_TE, ids_TK = logits_TE.softmax(-1), logits_TE.topk(2, dim=-1).indices
+    valid_T = torch.tensor([True] * 7 + [False] * 5)
+    dropped = load_balancing_loss(scores_TE[valid_T], ids_TK[valid_T])
+    torch.testing.assert_close(load_balancing_loss(scores_TE, ids_TK, valid_T), dropped)
+    torch.testing.assert_close(router_z_loss(logits_TE, valid_T), router_z_loss(logits_TE[valid_T]))
+    assert load_balancing_loss(scores_TE, ids_TK, valid_T) != load_balancing_loss(scores_TE, ids_TK)
+
+
+def test_grouped_dispatch_picks_the_kernel_by_shape():
+    cpu = torch.device("cpu")
+    balanced_small = torch.full((128,), 4)  # decode-like: 4 slots per expert
+    assert choose_kernel(cpu, balanced_small, 512) == ("padded", 4)
+    nearly_balanced = balanced_small.clone()
+    nearly_balanced[0] = 10
+    assert choose_kernel(cpu, nearly_balanced, 518) == ("padded", 10)  # 1280 rows for 518 slots
+    assert choose_kernel(cpu, torch.full((8,), 256), 2048) == ("grouped_mm", 0)  # large groups
+    skewed = torch.zeros(128, dtype=torch.long)
+    skewed[0] = 400
+    skewed[1:] = 1
+    assert choose_kernel(cpu, skewed, 527) == ("grouped_mm", 0)  # one hot expert: padding would be 97% waste
+    assert choose_kernel(torch.device("cuda"), balanced_small, 512) == ("grouped_mm", 0)
+    # bf16 grouped_mm on CUDA needs 16-byte aligned rows; odd widths take the padded bmm instead
+    assert choose_kernel(torch.device("cuda"), balanced_small, 512, aligned=False) == ("padded", 4)
 
 
 def test_padding_does_not_change_real_tokens():

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
-DISPATCH_MODES = ("grouped", "loop")
+DISPATCH_MODES = ("grouped", "loop", "grouped_mm", "padded")
 Backend = Literal["native", "hf"]
 # Hugging Face MoE families with routing instruments (moe_rl.model.hf.families): transformers' model_type names.
 HFFamily = Literal["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"]
@@ -70,7 +70,8 @@ class ModelConfig:
     z_loss_coef: float = 0.0
     """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
     dispatch: str = "grouped"
-    """Expert dispatch: 'grouped' (sort token-slots by expert, grouped matmul) or 'loop' (per-expert reference)."""
+    """Expert dispatch: 'grouped' (sort token-slots by expert; per call the faster of grouped_mm and padded for the
+    shape), 'loop' (per-expert reference), or force one kernel: 'grouped_mm' or 'padded' (batched matmul)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     init_std: float = 0.02

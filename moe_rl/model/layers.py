@@ -35,16 +35,20 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin), each (B, 1, S, Dh) to broadcast over heads; signed_sin = [-sin, sin] (apply_rotary)."""
         angles_BSh = positions_BS.float()[..., None] * self.inv_freq  # (B, S, Dh/2)
-        angles_BSDh = torch.cat([angles_BSh, angles_BSh], dim=-1)
-        # (B, 1, S, Dh): broadcast over heads
-        return angles_BSDh.cos()[:, None], angles_BSDh.sin()[:, None]
+        cos_BSh, sin_BSh = angles_BSh.cos(), angles_BSh.sin()
+        cos_BSDh = torch.cat([cos_BSh, cos_BSh], dim=-1)
+        signed_sin_BSDh = torch.cat([-sin_BSh, sin_BSh], dim=-1)
+        return cos_BSDh[:, None], signed_sin_BSDh[:, None]
 
 
-def apply_rotary(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BHSDh.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BHSDh.float() * cos + rotated.float() * sin).type_as(x_BHSDh)
+def apply_rotary(x_BHSDh: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x) * signed_sin (signed_sin = [-sin, sin]):
+    the same products bit for bit, in fewer ops (this runs twice per layer per decode step)."""
+    x = x_BHSDh.float()
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return (x * cos + rolled * signed_sin).type_as(x_BHSDh)
 
 
 class SwiGLU(nn.Module):

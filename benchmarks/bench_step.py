@@ -1,0 +1,116 @@
+"""Where one RL step's time goes, by phase, at the tiny default model and at the paper's shape (CPU, one thread).
+
+Runs the real trainer (`moe_rl.train.Trainer.rl_step`, default GRPO on chain_sum, default probes) for one warm-up
+rollout step and `--steps` measured ones, 16 prompts x 8 completions and 4 minibatches, and splits each measured
+step with the trainer's own `time/*` metrics (docs/metrics.md) into: sample (generation and scoring), old pass,
+updates (forward, backward, clipping), optimizer (AdamW and scheduler), probes (rollout-level and per-update). The
+whole step's wall and CPU time are measured around `rl_step`. The model is freshly initialised (no warm start), so
+completions are random text; this times the machinery, not learning.
+
+    python -m benchmarks.bench_step            # tiny and paper shapes (a few minutes on a quiet CPU)
+    python -m benchmarks.bench_step --quick    # tiny shape only
+Writes results/bench/step.md and results/bench/step.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import moe_rl.train
+from benchmarks.timing import write_csv
+from moe_rl.config import TrainConfig
+from moe_rl.model import ModelConfig
+from moe_rl.probes import ProbeConfig
+from moe_rl.train import Trainer
+
+SHAPES = {
+    "tiny (default model, L4 E8 K2)": ModelConfig(),
+    "paper (d64 L48 E128 K8 F32)": ModelConfig(n_layers=48, n_experts=128, top_k=8, d_expert=32),
+}
+PHASES = ("sample", "old pass", "updates", "optimizer", "probes")
+
+
+def phases(lines: list[dict]) -> dict[str, float]:
+    """Seconds per phase of one rollout step from its metrics lines (one per optimizer step)."""
+    first = lines[0]
+    optimizer = sum(line.get("time/optimizer", 0.0) for line in lines)
+    return {
+        "sample": first["time/rollout"],
+        "old pass": first["time/old_pass"],
+        "updates": sum(line["time/update"] for line in lines) - optimizer,
+        "optimizer": optimizer,
+        "probes": first["time/rollout_probes"] + sum(line.get("time/probes", 0.0) for line in lines),
+    }
+
+
+class _CPUClock:
+    """Stands in for the `time` module inside moe_rl.train, so its time/* metrics count this process's CPU seconds
+    (robust on a shared machine) instead of wall seconds."""
+
+    perf_counter = staticmethod(time.process_time)
+
+
+def bench_shape(model: ModelConfig, probes: ProbeConfig, steps: int) -> dict:
+    moe_rl.train.time = _CPUClock
+    with tempfile.TemporaryDirectory() as out_dir:
+        cfg = TrainConfig(out_dir=out_dir, model=model, probes=probes, device="cpu", total_steps=steps + 1)
+        trainer = Trainer(cfg, torch.device("cpu"))
+        measured = []
+        for step in range(steps + 1):
+            lines: list[dict] = []
+            w0, c0 = time.perf_counter(), time.process_time()
+            trainer.rl_step(lines.append)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            trainer.step += 1
+            if step > 0:  # the first step warms up allocators and caches
+                measured.append({**phases(lines), "step wall": wall, "step CPU": cpu})
+    return {key: statistics.median(m[key] for m in measured) for key in measured[0]}
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = ["# One RL step by phase (CPU, 1 thread)", "", f"Command: `{command}`  ",
+             "16 prompts x 8 completions, 4 minibatches, default sampling (16 new tokens). Phase times are CPU "
+             "seconds from the trainer's time/* metrics (its clock swapped for process time); the last two columns "
+             "time the whole "
+             "step (wall and CPU of this process; on a loaded machine wall exceeds CPU). Medians over the measured "
+             "steps. GPU benchmark: not run (no GPU in this session).", "",
+             "| shape | probe rows | " + " | ".join(PHASES) + " | probes share | step wall | step CPU |",
+             "|---|---|" + "---|" * (len(PHASES) + 3)]
+    for r in rows:
+        total = sum(r[p] for p in PHASES)
+        cells = " | ".join(f"{r[p]:.3f} s" for p in PHASES)
+        lines.append(f"| {r['shape']} | {r['probe rows']} | {cells} | {100 * r['probes'] / total:.0f}% "
+                     f"| {r['step wall']:.2f} s | {r['step CPU']:.2f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the tiny shape only")
+    parser.add_argument("--steps", type=int, default=1, help="measured rollout steps per shape (after one warm-up)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for step.md / step.csv")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shapes = list(SHAPES)[:1] if args.quick else list(SHAPES)
+    variants = {"default (32 sequences)": ProbeConfig(), "whole batch": ProbeConfig(sequences=None)}
+    rows = []
+    for shape in shapes:
+        for name, probes in variants.items():
+            rows.append({"shape": shape, "probe rows": name, **bench_shape(SHAPES[shape], probes, args.steps)})
+    command = "python -m benchmarks.bench_step" + (" --quick" if args.quick else "") + \
+        (f" --steps {args.steps}" if args.steps != 1 else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "step.csv", rows)
+    report = markdown(rows, command)
+    (args.out / "step.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
