@@ -34,6 +34,7 @@ from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, looks_for
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
+from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
 
 FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/token_any", "update/kl",
@@ -72,6 +73,7 @@ def command_line(cfg: ReportConfig) -> str:
 
 def report(cfg: ReportConfig) -> Path:
     """Write the report of `cfg.runs` into `cfg.out`; returns the output folder."""
+    check_out_dir(cfg.out, "--out")
     data = load_runs(cfg.runs)
     data = add_groups(data, group_keys(data, cfg.group_by))
     out = Path(cfg.out)

@@ -22,6 +22,7 @@ the two parameter versions), so the update probe costs one no-grad forward of th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -47,7 +48,7 @@ class ProbeConfig:
     sequences: int | None = None
     """Probe a random subsample of this many sequences per rollout step instead of the whole batch (under torchrun:
     this many on each rank, from its own rows)."""
-    tokens: str = "response"
+    tokens: Literal[TOKEN_SETS] = "response"  # the tuple spells the choices; --help lists them
     """Tokens compared: 'response' (positions that score a response token) or 'all' real positions."""
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
 from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
-from moe_rl.runs.checkpoint import load_latest, restore_training_state, save_checkpoint, training_state
+from moe_rl.runs.checkpoint import TRAINING_STATE_KEYS, load_latest, restore_training_state, save_checkpoint, training_state
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
 from moe_rl.runs.progress import Progress, rl_step_fields, say
 from moe_rl.runs.runlog import RunDir, write_table
@@ -143,7 +143,7 @@ class Trainer:
 
     def restore(self) -> None:
         """Every rank loads the latest checkpoint: the same weights and optimizer state, its own generators."""
-        state = load_latest(self.out_dir, map_location=self.device)
+        state = load_latest(self.out_dir, map_location=self.device, require=(*TRAINING_STATE_KEYS, "updates"))
         saved, ranks = state.get("world_size", 1), distributed.world_size()
         if saved != ranks:
             raise ConfigError(

@@ -7,6 +7,7 @@ architecture knob. Validation happens at construction: a bad value names its fie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
 
@@ -51,7 +52,7 @@ class ModelConfig:
     """Coefficient of the Switch-Transformer load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
     z_loss_coef: float = 0.0
     """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
-    dispatch: str = "grouped"
+    dispatch: Literal[DISPATCH_MODES] = "grouped"  # the tuple spells the choices; --help lists them
     """Expert dispatch: 'grouped' (sort token-slots by expert, grouped matmul) or 'loop' (per-expert reference)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""

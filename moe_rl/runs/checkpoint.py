@@ -114,8 +114,10 @@ def checkpoint_step(run_dir: str | os.PathLike) -> int | None:
     return int(state["step"])
 
 
-def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The newest checkpoint of a run; NoCheckpointError, naming the directory, when there is none."""
+def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu",
+                require: tuple[str, ...] = ("step",)) -> dict[str, Any]:
+    """The newest checkpoint of a run; NoCheckpointError, naming the directory, when there is none; DataError when
+    it is not a checkpoint holding the keys in `require`."""
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINTS / LATEST
     if not path.is_file():
@@ -124,8 +126,7 @@ def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "
             f"cannot resume from {run_dir}: {problem}. Resume needs a run that saved a checkpoint; "
             "start a new run without --resume, or check the run name"
         )
-    return load_checkpoint(path, map_location, what="the checkpoint to resume from",
-                           require=("model", "optimizer", "rng", "step"))
+    return load_checkpoint(path, map_location, what="the checkpoint to resume from", require=require)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -150,6 +151,9 @@ def training_state(
     }
 
 
+TRAINING_STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "step")  # what restore_training_state reads
+
+
 def restore_training_state(
     state: Mapping[str, Any],
     model: torch.nn.Module,
@@ -160,8 +164,12 @@ def restore_training_state(
 ) -> int:
     """Load a `training_state` into live objects; returns the step it was saved at (state["data_position"] has
     the data position)."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:  # a missing or mis-shaped weight: name it, not torch's report
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"the checkpoint does not fit this model and optimizer: {first[:300]}") from None
     if scheduler is not None:
         if state["scheduler"] is None:
             raise ValueError("a scheduler was passed, but the checkpoint was saved without one")

@@ -30,6 +30,7 @@ import pandas as pd
 from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import USER_ERRORS, ConfigError
 from moe_rl.runs.lock import holder
+from moe_rl.runs.progress import duration
 from moe_rl.runs.provenance import utc_now
 from moe_rl.runs.runlog import read_config, read_manifest
 from moe_rl.sweep.overrides import from_dict
@@ -144,7 +145,7 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
 def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: int, echo) -> None:
     if not jobs:
         return
-    width = len(str(len(jobs)))
+    width, t0 = len(str(len(jobs))), time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
         futures = {pool.submit(_subprocess_job, sweep_dir, kind, name, threads): (kind, name) for kind, name in jobs}
@@ -154,7 +155,8 @@ def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: i
             run_dir = sweep_dir / (WARMSTART if kind == "warmstart" else RUNS) / name
             status, reason = job_status(sweep_dir, kind, name, run_dir)
             label = f"warm start {name}" if kind == "warmstart" else name
-            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s)"
+            eta = (time.perf_counter() - t0) / done * (len(jobs) - done)  # the pool's pace so far, workers included
+            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s, ETA {duration(eta)})"
                  + (f"  {reason}" if reason and status != "finished" else ""))
     except BaseException:
         # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
