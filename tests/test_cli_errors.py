@@ -320,3 +320,56 @@ def test_a_sweep_names_a_bad_init_from_and_plans_around_a_corrupt_checkpoint(wor
     row = next(r for r in (sweep / "index.csv").read_text().splitlines() if r.startswith(f'"{bad.name}"')
                or r.startswith(bad.name))
     assert "failed" in row and "is not a torch checkpoint" in row
+
+
+# --- item 6: configs as the field expects (in-process: no process start needed) ------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_yaml_or_json_and_flags_override_it(tmp_path, suffix):
+    import tyro
+
+    from moe_rl.cli import _config_file
+    from moe_rl.config import TrainConfig
+
+    path = tmp_path / f"cfg{suffix}"
+    path.write_text("total_steps: 7\noptim:\n  lr: 0.01\nrouting_mode: R2\n" if suffix == ".yaml" else
+                    json.dumps({"total_steps": 7, "optim": {"lr": 0.01}, "routing_mode": "R2"}))
+    for spelling in ([f"--config-file={path}"], ["--config-file", str(path)]):
+        rest, defaults = _config_file(TrainConfig, ["--seed", "3", *spelling, "--total-steps", "9"])
+        cfg = tyro.cli(TrainConfig, args=rest, default=defaults)
+        assert (cfg.total_steps, cfg.optim.lr, cfg.routing_mode, cfg.seed) == (9, 0.01, "R2", 3)
+
+
+def test_choice_fields_list_their_choices_and_sweep_set_takes_flag_spellings():
+    import typing
+
+    from moe_rl.objectives import objective_names
+    from moe_rl.objectives.config import ObjectiveName
+    from moe_rl.sweep.overrides import parse_assignments
+
+    assert sorted(typing.get_args(ObjectiveName)) == objective_names()
+    assert parse_assignments(["--optim.warmup-steps=5", "total-steps=3", "seed=1"]) == \
+        {"optim.warmup_steps": "5", "total_steps": "3", "seed": "1"}
+
+
+def test_wandb_gets_project_entity_group_and_keeps_the_run_id(monkeypatch, tmp_path):
+    import types
+
+    from moe_rl.runs.trackers import make_trackers
+
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(log=None, finish=None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    make_trackers(["wandb"], tmp_path / "run", wandb={"project": "p", "entity": "e", "group": "g"}, run_id="abc")
+    assert {k: calls[0][k] for k in ("project", "entity", "group", "id", "resume", "name")} == \
+        {"project": "p", "entity": "e", "group": "g", "id": "abc", "resume": "allow", "name": "run"}
+
+
+def test_a_run_without_out_dir_gets_a_fresh_name(tmp_path):
+    from moe_rl.runs.claim import fresh_run_name
+
+    first = fresh_run_name(str(tmp_path), "grpo-native")
+    Path(first).mkdir()
+    second = fresh_run_name(str(tmp_path), "grpo-native")
+    assert first != second and Path(second).name.startswith(Path(first).name)
