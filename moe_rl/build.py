@@ -35,12 +35,14 @@ def load_model_weights(model: MoETransformer, path: str) -> None:
         raise ConfigError(f"init_from={path} was saved for a different architecture; (saved, asked): {diff}")
     try:
         model.load_state_dict(state["model"])
-    except RuntimeError as err:  # missing, unexpected or mis-shaped weights: name them, not torch's whole report
+    except RuntimeError:  # missing, unexpected or mis-shaped weights: name them, not torch's whole report
         missing, unexpected = _key_mismatch(model, state["model"])
-        what = (f"lacks {', '.join(missing[:3])}" if missing else f"has unknown {', '.join(unexpected[:3])}"
-                if unexpected else "has weights of the wrong shape")
-        raise DataError(f"init_from={path}: the checkpoint {what} for this model ({str(err).count(chr(10)) + 1} "
-                        "problem line(s)); was it saved for another architecture?") from None
+        keys = missing or unexpected
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        what = (f"lacks {', '.join(keys[:3])}{more}" if missing else f"has unknown weights {', '.join(keys[:3])}{more}"
+                if unexpected else "has weights of other shapes")
+        raise DataError(f"init_from={path}: the checkpoint {what} for this model; was it saved for another "
+                        "architecture?") from None
 
 
 def _key_mismatch(model, weights) -> tuple[list[str], list[str]]:

@@ -84,7 +84,7 @@ def sft(cfg: SFTConfig) -> Path:
     cfg = replace(cfg, out_dir=cfg.out_dir or fresh_run_name(stem="sft"))
     claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None)
     try:
-        check_trackers_installed(cfg.trackers)
+        check_trackers_installed(cfg.trackers, flag="--trackers")
         tokenizer = build_tokenizer()
         task = build_task(cfg.task, tokenizer)
         check_task_fits(cfg.model, tokenizer, task, cfg.sampling.max_new_tokens)

@@ -49,11 +49,11 @@ def missing_package(package: str, feature: str) -> MissingPackageError:
                        f"{TRACKING_EXTRA} (or pip install {package})")
 
 
-def check_trackers_installed(names: Iterable[str]) -> None:
+def check_trackers_installed(names: Iterable[str], flag: str = "--log.trackers") -> None:
     """Refuse, before a run starts, a tracker whose package is missing (ConfigError with the pip command)."""
     for name in names:
         check_choice("trackers", name, TRACKER_NAMES)
-        import_optional(*TRACKER_MODULES[name], f"--log.trackers {name}")
+        import_optional(*TRACKER_MODULES[name], f"{flag} {name}")
 
 
 def numeric_items(metrics: Mapping[str, Any]) -> dict[str, float]:
