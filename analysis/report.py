@@ -38,6 +38,7 @@ from analysis.report_text import scaling_markdown, skipped_markdown
 from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
+from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
 
 FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/set_change",
@@ -78,6 +79,7 @@ def command_line(cfg: ReportConfig) -> str:
 
 def report(cfg: ReportConfig) -> Path:
     """Write the report of `cfg.runs` into `cfg.out`; returns the output folder."""
+    check_out_dir(cfg.out, "--out")
     data = load_runs(cfg.runs)
     data = add_groups(data, group_keys(data, cfg.group_by))
     out = Path(cfg.out)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, DataError
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.runs.checkpoint import load_checkpoint
@@ -30,14 +30,28 @@ def resolve_device(name: str) -> torch.device:
 def load_model_weights(model: MoETransformer, path: str) -> None:
     """Load a checkpoint's model weights, refusing one saved for a different architecture (loss coefficients and
     the dispatch path may differ: NON_ARCHITECTURE_FIELDS)."""
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, what="init_from", require=("model",))
     saved = state.get("model_config") or {}
     asked = asdict(model.cfg)
     diff = {k: (saved[k], v) for k, v in asked.items()
             if k in saved and saved[k] != v and k not in NON_ARCHITECTURE_FIELDS}
     if diff:
         raise ConfigError(f"init_from={path} was saved for a different architecture; (saved, asked): {diff}")
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError:  # missing, unexpected or mis-shaped weights: name them, not torch's whole report
+        missing, unexpected = _key_mismatch(model, state["model"])
+        keys = missing or unexpected
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        what = (f"lacks {', '.join(keys[:3])}{more}" if missing else f"has unknown weights {', '.join(keys[:3])}{more}"
+                if unexpected else "has weights of other shapes")
+        raise DataError(f"init_from={path}: the checkpoint {what} for this model; was it saved for another "
+                        "architecture?") from None
+
+
+def _key_mismatch(model, weights) -> tuple[list[str], list[str]]:
+    ours, theirs = set(model.state_dict()), set(weights) if isinstance(weights, dict) else set()
+    return sorted(ours - theirs), sorted(theirs - ours)
 
 
 def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None):
@@ -100,3 +114,21 @@ def make_optimizer(model, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_sc
 
 def _fused_adamw_supported(params) -> bool:
     return all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
+
+def check_task_fits(cfg: ModelConfig, tokenizer, task, max_new_tokens: int, probe: int = 64) -> None:
+    """Refuse, before anything is written, a model whose vocabulary is smaller than the tokenizer's, or whose
+    max_seq_len cannot hold a prompt (of the first `probe` training and held-out problems) plus a response."""
+    if cfg.hf_path is not None:  # a checkpoint directory's own config sets its vocabulary and context, not ours
+        return
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size} tokens); use --model.vocab-size {tokenizer.vocab_size} or more")
+    for split in ("train", "eval"):
+        for problem in task.problems(split, 0, min(probe, task.num_problems(split) or probe)):
+            need = 1 + len(tokenizer.encode(problem.prompt)) + max_new_tokens  # BOS, prompt, response
+            if need > cfg.max_seq_len:
+                raise ConfigError(
+                    f"model.max_seq_len={cfg.max_seq_len} is too short: a {split} prompt of the task takes "
+                    f"{need - max_new_tokens} tokens, plus max_new_tokens={max_new_tokens} for the response = "
+                    f"{need}; raise --model.max-seq-len or shorten the prompts")

@@ -3,7 +3,7 @@ every field).
 
     moe-rl sft   --help        supervised warm start
     moe-rl train --help        RL on the native MoE model
-    moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config, flags override its fields
+    moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config (JSON or YAML), flags override
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
     moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
@@ -15,11 +15,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_rl.errors import ConfigError, DataError, RoutingError
+from moe_rl.errors import USER_ERRORS, ConfigError
 
-# Errors that are the user's input, not a bug: printed as one line, exit status 2. FileNotFoundError covers a
-# missing data file and a resume with nothing to resume; FileExistsError a run directory that is already used.
-USER_ERRORS = (ConfigError, DataError, RoutingError, FileNotFoundError, FileExistsError)
+# Exit statuses: 0 done, 1 a sweep with a failed run, 2 a user error (one line on stderr), 3 the run diverged.
+EXIT_USER_ERROR, EXIT_DIVERGED = 2, 3
+CONFIG_FILE_HELP = """
+config file (train, sft):
+  --config-file PATH, --config-file=PATH
+      start from a config saved as JSON or YAML (e.g. runs/<name>/config.json); every other flag overrides its
+      fields, wherever it stands on the command line"""
 
 
 @dataclass(frozen=True)
@@ -93,32 +97,73 @@ def main(argv: list[str] | None = None) -> int:
 
     config_class, run = COMMANDS[name].load()
     module_doc = sys.modules[getattr(run, "func", run).__module__].__doc__
+    takes_file = name in ("train", "sft")
     try:
-        rest, defaults = _config_file(config_class, rest)
-        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", description=module_doc, default=defaults)
-        run(cfg)
+        rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
+        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", default=defaults,
+                       description=module_doc + (CONFIG_FILE_HELP if takes_file else ""))
+        result = run(cfg)
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_USER_ERROR
+    return EXIT_DIVERGED if takes_file and _status(result) == "diverged" else 0
+
+
+def _status(run_dir) -> str | None:
+    """The status in a run directory's manifest.json (None when there is none to read, e.g. on a rank > 0)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))["status"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _config_file(config_class, args: list[str]):
-    """`--config-file PATH` (train and sft): start from a config saved as JSON, e.g. a run's config.json or one
-    written from an experiment; the other flags override its fields. Returns (the other args, the defaults)."""
-    if "--config-file" not in args:
+    """`--config-file PATH` or `--config-file=PATH` (train and sft): start from a config saved as JSON or YAML, e.g.
+    a run's config.json; the other flags override its fields. Returns (the other args, the defaults)."""
+    for at, arg in enumerate(args):
+        if arg == "--config-file" or arg.startswith("--config-file="):
+            break
+    else:
         return args, None
-    at = args.index("--config-file")
-    if at + 1 >= len(args):
-        raise ConfigError("--config-file needs a path to a JSON config (e.g. runs/<name>/config.json)")
-    import json
-
+    path = arg.partition("=")[2] if "=" in arg else (args[at + 1] if at + 1 < len(args) else "")
+    rest = args[:at] + args[at + (1 if "=" in arg else 2) :]
+    if not path or path.startswith("--"):
+        raise ConfigError("--config-file needs a path to a JSON or YAML config (e.g. runs/<name>/config.json)")
     from moe_rl.sweep.overrides import from_dict
 
-    path = args[at + 1]
-    with open(path, encoding="utf-8") as file:
-        defaults = from_dict(config_class, json.load(file))
-    return args[:at] + args[at + 2 :], defaults
+    data = read_config_file(path)
+    try:
+        return rest, from_dict(config_class, data)
+    except ConfigError as err:
+        raise ConfigError(f"--config-file {path}: {err}") from None
+
+
+def read_config_file(path: str) -> dict:
+    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming the file and line."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config-file {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--config-file {path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"--config-file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config-file {path}: expected a mapping of config fields, got {type(data).__name__}")
+    return data
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Validation happens at construction; a bad value names its field and what is allo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from moe_rl.distributed import PARALLEL_MODES
 from moe_rl.errors import ConfigError, check_choice, check_positive
@@ -16,8 +17,10 @@ from moe_rl.probes import ProbeConfig
 from moe_rl.rollout import SamplingConfig
 from moe_rl.tasks import TaskConfig
 
-ROUTING_MODES = ("native", "R2", "R3")
-DEVICES = ("auto", "cpu", "cuda")
+RoutingMode = Literal["native", "R2", "R3"]
+Device = Literal["auto", "cpu", "cuda"]
+TrackerName = Literal["tensorboard", "wandb"]
+ROUTING_MODES, DEVICES = get_args(RoutingMode), get_args(Device)
 
 
 @dataclass
@@ -65,6 +68,19 @@ class RolloutConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Where `--log.trackers wandb` puts the run; a resumed run continues the same W&B run (its id is kept in
+    manifest.json)."""
+
+    project: str = "moe-rl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None = your default entity."""
+    group: str | None = None
+    """W&B group; `moe-rl sweep` sets it to the sweep's name, so a sweep's runs show together."""
+
+
+@dataclass
 class LogConfig:
     """What is written to the run directory besides metrics.jsonl."""
 
@@ -76,8 +92,9 @@ class LogConfig:
     """Evaluate mean reward on the held-out split every n-th rollout step (and at the end); 0 disables."""
     eval_prompts: int = 64
     """Held-out prompts per evaluation (one sampled completion each, at the training temperature)."""
-    trackers: tuple[str, ...] = ()
+    trackers: tuple[TrackerName, ...] = ()
     """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         for name in ("samples_every", "samples_per_step", "eval_every"):
@@ -91,15 +108,16 @@ class LogConfig:
 class TrainConfig:
     """One RL run: a task with verifiable rewards, an objective and a routing mode on the native MoE model."""
 
-    out_dir: str = "runs/default"
-    """Run directory (config.json, manifest.json, metrics.jsonl, routing/, samples/, checkpoints/)."""
+    out_dir: str | None = None
+    """Run directory (config.json, manifest.json, metrics.jsonl, routing/, samples/, checkpoints/); None = a new
+    runs/<UTC time>-<objective>-<routing mode>."""
     seed: int = 0
     """Seeds model init (without init_from), sampling, minibatch shuffling and probe subsampling."""
     total_steps: int = 50
     """Rollout steps; each makes `minibatches` optimizer steps."""
     minibatches: int = 4
     """Optimizer steps per rollout batch; the paper's 4 makes 3 of 4 updates off-policy."""
-    routing_mode: str = "native"
+    routing_mode: RoutingMode = "native"
     """native: routers choose freely; R2: replay the old pass's routing in every update; R3: replay the
     sampler's routing in the old pass and in every update."""
     kl_coef: float = 0.0
@@ -107,18 +125,21 @@ class TrainConfig:
     init_from: str | None = None
     """Checkpoint to start from (e.g. the SFT warm start, runs/sft/checkpoints/latest.pt); None = random init."""
     resume: bool = False
-    """Continue the run in out_dir from its latest checkpoint."""
+    """Continue the run in out_dir from its latest checkpoint. A run that saved no checkpoint starts over, with or
+    without --resume (unless it finished or diverged)."""
     checkpoint_every: int = 25
     """Save checkpoints/latest.pt every n rollout steps (and at the end)."""
     keep_every: int | None = None
     """Also keep a copy checkpoints/step_XXXXXX.pt every n rollout steps; None keeps only the latest."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto (cuda if available), cpu or cuda. On cuda the model runs under bf16 autocast; on cpu in fp32."""
     threads: int = 1
     """torch CPU threads; 1 is fastest for tiny models on small machines (README, "Threads")."""
-    parallel: str = "ddp"
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
     """Under torchrun: 'ddp' replicates the model on every rank; 'fsdp2' shards parameters, gradients and optimizer
     state over the ranks (fully_shard per decoder block). No effect in a single process."""
+    quiet: bool = False
+    """Print no progress line per rollout step (a divergence is still reported)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -167,8 +188,9 @@ class TrainConfig:
 class SFTConfig:
     """Supervised warm start on task solutions, so RL begins from a policy with partial success."""
 
-    out_dir: str = "runs/sft"
-    """Run directory; the RL run loads out_dir/checkpoints/latest.pt through --init-from."""
+    out_dir: str | None = None
+    """Run directory; the RL run loads out_dir/checkpoints/latest.pt through --init-from. None = a new
+    runs/<UTC time>-sft."""
     seed: int = 0
     """Seeds model init and batch order."""
     steps: int = 300
@@ -187,17 +209,24 @@ class SFTConfig:
     """Measure sampled reward on held-out prompts every n steps (and at the end)."""
     eval_prompts: int = 128
     """Held-out prompts per evaluation."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto, cpu or cuda."""
     threads: int = 1
     """torch CPU threads."""
+    print_every: int = 10
+    """Print a progress line every n steps (and at the end)."""
+    quiet: bool = False
+    """Print no progress lines (a divergence is still reported)."""
+    trackers: tuple[TrackerName, ...] = ()
+    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
-        for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads"):
+        for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads", "print_every"):
             check_positive(name, getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             check_positive(name, getattr(self, name), allow_zero=True)

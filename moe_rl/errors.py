@@ -17,6 +17,11 @@ class RoutingError(ValueError):
     """A routing trace does not fit the model it is replayed on. The message names the layer."""
 
 
+# Errors that are the user's input, not a bug: printed as one line, exit status 2. FileNotFoundError covers a missing
+# data file and a resume with nothing to resume; FileExistsError a run directory that is already used.
+USER_ERRORS = (ConfigError, DataError, RoutingError, FileNotFoundError, FileExistsError)
+
+
 def check_choice(field: str, value: object, allowed: Iterable[object]) -> None:
     """Refuse `value` for `field` unless it is one of `allowed`, listing the valid choices."""
     allowed = list(allowed)

@@ -23,6 +23,7 @@ the two parameter versions), so the update probe costs one no-grad forward of th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -49,7 +50,7 @@ class ProbeConfig:
     """Probe a random subsample of this many sequences per rollout step (under torchrun: this many on each rank, from
     its own rows); None probes the whole batch. The default keeps probes near a fifth of an RL step at 16 x 8 rollouts
     (each probe forward then costs a quarter of an old pass); batches of at most this many rows are probed whole."""
-    tokens: str = "response"
+    tokens: Literal[TOKEN_SETS] = "response"  # the tuple spells the choices; --help lists them
     """Tokens compared: 'response' (positions that score a response token) or 'all' real positions."""
 
     def __post_init__(self) -> None:

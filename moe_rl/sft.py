@@ -6,24 +6,27 @@ model with teacher forcing on `[BOS] prompt solution [EOS]` (loss on the solutio
 `checkpoints/latest.pt`, which `moe-rl train --init-from` loads.
 
     moe-rl sft --out-dir runs/sft --steps 300                 # CPU, about a minute for the default tiny model
+    moe-rl sft --out-dir runs/sft --lr 1e30                   # diverges: says at which step and why, exit status 3
     moe-rl sft --device cuda --model.d-model 512 ...          # one GPU
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from moe_rl.build import build_model, build_model_tokenizer, resolve_device
+from moe_rl.build import build_model, build_model_tokenizer, check_task_fits, resolve_device
 from moe_rl.config import SFTConfig
 from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import sampled_reward
 from moe_rl.runs.checkpoint import save_checkpoint
-from moe_rl.runs.runlog import RunDir
+from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
+from moe_rl.runs.progress import Progress
+from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
 
 
@@ -56,6 +59,7 @@ def cosine_with_warmup(warmup: int, total: int, floor: float = 0.1):
 
 
 def sft_step(model, optimizer, scheduler, batch, grad_clip: float) -> dict:
+    """One optimizer step; a non-finite loss or gradient norm is not stepped on (the caller stops the run)."""
     input_ids, valid, targets, loss_mask = batch
     model.train()
     with autocast_context(input_ids.device):
@@ -65,30 +69,54 @@ def sft_step(model, optimizer, scheduler, batch, grad_clip: float) -> dict:
     optimizer.zero_grad(set_to_none=True)
     (loss + out.aux_loss).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    optimizer.step()
-    scheduler.step()
-    return {"loss": loss.item(), "aux_loss": out.aux_loss.item(), "grad_norm": grad_norm.item(),
+    line = {"loss": loss.item(), "aux_loss": out.aux_loss.item(), "grad_norm": grad_norm.item(),
             "lr": scheduler.get_last_lr()[0]}
+    if math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"]):
+        optimizer.step()
+        scheduler.step()
+    return line
 
 
 def sft(cfg: SFTConfig) -> Path:
     """Train the warm start; returns the run directory (its checkpoints/latest.pt holds the model)."""
     torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
-    run = RunDir(cfg.out_dir, cfg, seed=cfg.seed, device=device)
-    with run, run.open_metrics() as metrics:
+    cfg = replace(cfg, out_dir=cfg.out_dir or fresh_run_name(stem="sft"))
+    claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None)
+    try:
+        check_trackers_installed(cfg.trackers, flag="--trackers")
         tokenizer = build_model_tokenizer(cfg.model)
         task = build_task(cfg.task, tokenizer)
+        check_task_fits(cfg.model, tokenizer, task, cfg.sampling.max_new_tokens)
         model = build_model(cfg.model, device, cfg.seed, None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                      weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
-        for step in range(cfg.steps):
-            problems = task.problems("train", step * cfg.batch_size, cfg.batch_size)
-            line = sft_step(model, optimizer, scheduler, sft_batch(problems, task, tokenizer, device), cfg.grad_clip)
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.eval_prompts,
-                                                     cfg.seed)
-            metrics.write(line, step=step)
-        save_checkpoint(run.path, cfg.steps, {"model": model.state_dict(), "model_config": asdict(cfg.model)})
+        run = open_claimed(claim, cfg, seed=cfg.seed, device=device)
+        progress = Progress(cfg.steps, quiet=cfg.quiet)
+        trackers = make_trackers(cfg.trackers, run.path, config=run.config, wandb=asdict(cfg.wandb),
+                                 run_id=run.manifest.get("tracker_id"))
+        with run, run.open_metrics(trackers=trackers) as metrics:
+            done = _sft_loop(cfg, model, task, tokenizer, device, metrics, run, progress)
+            if run.status == "running":
+                save_checkpoint(run.path, cfg.steps, {"model": model.state_dict(), "model_config": asdict(cfg.model)})
+        progress.end(run.status, str(run.path), done, run.manifest.get("reason"))
+    finally:
+        claim.release()
     return run.path
+
+
+def _sft_loop(cfg: SFTConfig, model, task, tokenizer, device, metrics, run, progress: Progress) -> int:
+    """The SFT steps; returns how many were taken. A non-finite loss marks the run diverged and stops it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
+    for step in range(cfg.steps):
+        problems = task.problems("train", step * cfg.batch_size, cfg.batch_size)
+        line = sft_step(model, optimizer, scheduler, sft_batch(problems, task, tokenizer, device), cfg.grad_clip)
+        if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
+            metrics.write(line, step=step)
+            run.mark_diverged(f"non-finite loss ({line['loss']}) or gradient norm ({line['grad_norm']}) at step {step}")
+            return step
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.eval_prompts, cfg.seed)
+        metrics.write(line, step=step)
+        if (step + 1) % cfg.print_every == 0 or step + 1 == cfg.steps:
+            progress.step(step + 1, {"loss": line["loss"], "eval": line.get("eval/reward")})
+    return cfg.steps

@@ -46,7 +46,7 @@ import torch
 
 from moe_rl import distributed
 from moe_rl.advantages import group_advantages, reward_stats, zero_std_groups
-from moe_rl.build import build_model, build_model_tokenizer, make_optimizer, resolve_device
+from moe_rl.build import build_model, build_model_tokenizer, check_task_fits, make_optimizer, resolve_device
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.masked import masked_mean, masked_sum
@@ -57,9 +57,11 @@ from moe_rl.policy import policy_forward
 from moe_rl.probes import NativeRouting, Prober
 from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
-from moe_rl.runs.checkpoint import load_latest, restore_training_state, save_checkpoint, training_state
+from moe_rl.runs.checkpoint import TRAINING_STATE_KEYS, load_latest, restore_training_state, save_checkpoint, training_state
+from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
+from moe_rl.runs.progress import Progress, rl_step_fields, say
 from moe_rl.runs.runlog import RunDir, write_table
-from moe_rl.runs.trackers import make_trackers
+from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.signals import entropy_from_logits, ratio_signals
 from moe_rl.tasks import build_task
 
@@ -98,7 +100,7 @@ class Trainer:
 
     prober_factory = Prober  # `moe-rl probe` substitutes a Prober that also measures router margins
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device, init_weights: bool = True):
         self.cfg, self.device = cfg, device
         self.out_dir = Path(cfg.out_dir)  # rank 0 writes here; every rank reads checkpoints from here
         self.tokenizer = build_model_tokenizer(cfg.model)
@@ -106,7 +108,8 @@ class Trainer:
         self.spec = get_objective(cfg.objective.name)
         self.objective_cfg = replace(cfg.objective, max_response_len=cfg.objective.max_response_len
                                           or cfg.rollout.sampling.max_new_tokens)
-        self.model = build_model(cfg.model, device, cfg.seed, cfg.init_from)
+        # A resume takes the weights from its checkpoint, so it does not need init_from to still exist.
+        self.model = build_model(cfg.model, device, cfg.seed, cfg.init_from if init_weights else None)
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         # Training forwards go through DDP under torchrun; sampling, the old pass and probes use self.model, no grad.
         # The loop dispatch skips experts without tokens, so DDP must look for parameters without a gradient.
@@ -147,7 +150,7 @@ class Trainer:
 
     def restore(self) -> None:
         """Every rank loads the latest checkpoint: the same weights and optimizer state, its own generators."""
-        state = load_latest(self.out_dir, map_location=self.device)
+        state = load_latest(self.out_dir, map_location=self.device, require=(*TRAINING_STATE_KEYS, "updates"))
         saved, ranks = state.get("world_size", 1), distributed.world_size()
         if saved != ranks:
             raise ConfigError(
@@ -458,6 +461,7 @@ def train(cfg: TrainConfig) -> Path:
     torch.set_num_threads(cfg.threads)
     with distributed.process_group(resolve_device(cfg.device)) as device:
         cfg.check_data_parallel(distributed.world_size())
+        cfg = replace(cfg, out_dir=run_dir_name(cfg))
         _train_on_this_rank(cfg, device)
         # The trainer (and its DDP wrapper, which holds the process group) is gone before the group is destroyed;
         # tearing the group down under a live DDP reducer could abort the process at exit.
@@ -465,29 +469,60 @@ def train(cfg: TrainConfig) -> Path:
     return Path(cfg.out_dir)
 
 
+def run_dir_name(cfg: TrainConfig) -> str:
+    """cfg.out_dir, or (none given) a fresh runs/<time>-<objective>-<routing mode>, the same on every rank."""
+    if cfg.out_dir is not None:
+        return cfg.out_dir
+    if cfg.resume:
+        raise ConfigError("--resume needs --out-dir: the directory of the run to continue")
+    return distributed.broadcast_object(fresh_run_name(stem=f"{cfg.objective.name}-{cfg.routing_mode}"))
+
+
 def _train_on_this_rank(cfg: TrainConfig, device: torch.device) -> None:
-    run = open_run(cfg, device)
-    with run if run is not None else nullcontext():
-        trainer = Trainer(cfg, device)
-        if cfg.resume:
+    """Claim the directory (rank 0), check the inputs, build, restore, then open the run: a set-up that fails leaves
+    the directory as it was."""
+    claim = on_main(lambda: claim_run_dir(cfg.out_dir, resume=cfg.resume, total_steps=cfg.total_steps))
+    action = distributed.broadcast_object(claim.action if claim else None)
+    try:
+        if action == "done":
+            say(f"nothing to do: {cfg.out_dir} already finished at step {cfg.total_steps}")
+            return
+        check_inputs(cfg)
+        trainer = Trainer(cfg, device, init_weights=action != "resume")
+        if action == "resume":
             trainer.restore()
-        with open_metrics(run, trainer) as metrics:
-            _loop(trainer, metrics.write, run)
+        run = on_main(lambda: open_claimed(claim, cfg, seed=cfg.seed, device=device))
+        progress = Progress(cfg.total_steps, start=trainer.step, quiet=cfg.quiet or run is None)
+        with run if run is not None else nullcontext():
+            with open_metrics(run, trainer, resumed=action == "resume") as metrics:
+                _loop(trainer, metrics.write, run, progress)
+        if run is not None:
+            progress.end(run.status, str(run.path), trainer.step, run.manifest.get("reason"))
+    finally:
+        if claim is not None:
+            claim.release()
 
 
-def open_run(cfg: TrainConfig, device: torch.device) -> RunDir | None:
-    """Rank 0 creates (or resumes) the run directory; the other ranks get None. Every rank learns how that went, so
-    a refused directory stops every rank with rank 0's error instead of leaving the others waiting for it."""
-    run, error = None, None
+def check_inputs(cfg: TrainConfig) -> None:
+    """What would fail later with a traceback: a tracker not installed, a vocabulary or context the task overflows."""
+    check_trackers_installed(cfg.log.trackers)
+    tokenizer = build_model_tokenizer(cfg.model)
+    check_task_fits(cfg.model, tokenizer, build_task(cfg.task, tokenizer), cfg.rollout.sampling.max_new_tokens)
+
+
+def on_main(make):
+    """`make()` on rank 0 (None on the others). Every rank learns how that went, so an error stops every rank with
+    rank 0's error instead of leaving the others waiting for it."""
+    result, error = None, None
     if distributed.is_main():
         try:
-            run = RunDir(cfg.out_dir, cfg, resume=cfg.resume, seed=cfg.seed, device=device)
+            result = make()
         except Exception as err:  # re-raised on every rank just below
             error = err
     error = distributed.broadcast_object(error)
     if error is not None:
         raise error
-    return run
+    return result
 
 
 class _NoMetrics:
@@ -503,23 +538,25 @@ class _NoMetrics:
         pass
 
 
-def open_metrics(run: RunDir | None, trainer: Trainer):
+def open_metrics(run: RunDir | None, trainer: Trainer, resumed: bool):
     """Rank 0's metrics.jsonl writer (and trackers); a writer that drops every line on the other ranks."""
     if run is None:
         return _NoMetrics()
-    cfg = trainer.cfg
-    trackers = make_trackers(cfg.log.trackers, run.path, config=run.config)
-    resume_from = trainer.step - 1 if cfg.resume else None
+    log = trainer.cfg.log
+    trackers = make_trackers(log.trackers, run.path, config=run.config, wandb=asdict(log.wandb),
+                             run_id=run.manifest.get("tracker_id"))
+    resume_from = trainer.step - 1 if resumed else None
     return run.open_metrics(resume_from_step=resume_from, trackers=trackers, tracker_step_key="update")
 
 
-def _loop(trainer: Trainer, write, run: RunDir | None) -> None:
-    """Rollout steps until total_steps; eval lines and checkpoints on their cadence. `run` is None on ranks other
-    than 0."""
+def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress) -> None:
+    """Rollout steps until total_steps; eval lines and checkpoints on their cadence; a progress line per step.
+    `run` is None on ranks other than 0."""
     cfg = trainer.cfg
     while trainer.step < cfg.total_steps:
+        lines: list[dict] = []
         try:
-            trainer.rl_step(write)
+            trainer.rl_step(lambda line: (lines.append(line), write(line)))
         except Diverged as err:  # raised on every rank together
             if run is not None:
                 run.mark_diverged(str(err))
@@ -527,6 +564,8 @@ def _loop(trainer: Trainer, write, run: RunDir | None) -> None:
         trainer.step += 1
         if trainer.step == cfg.total_steps and cfg.log.eval_every and trainer.evaluates_here:
             # The policy after the last update; step = total_steps marks "after training".
-            write({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
+            lines.append({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
+            write(lines[-1])
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.total_steps:
             trainer.save()
+        progress.step(trainer.step, rl_step_fields(lines))

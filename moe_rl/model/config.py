@@ -69,7 +69,7 @@ class ModelConfig:
     """Coefficient of the Switch-Transformer load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
     z_loss_coef: float = 0.0
     """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
-    dispatch: str = "grouped"
+    dispatch: Literal[DISPATCH_MODES] = "grouped"  # the tuple spells the choices; --help lists them
     """Expert dispatch: 'grouped' (sort token-slots by expert; per call the faster of grouped_mm and padded for the
     shape), 'loop' (per-expert reference), or force one kernel: 'grouped_mm' or 'padded' (batched matmul)."""
     norm_eps: float = 1e-6

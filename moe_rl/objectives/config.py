@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moe_rl.errors import ConfigError, check_positive
+
+# The built-in objectives, so that --help lists them; tests/test_cli_errors.py checks this equals the registry.
+ObjectiveName = Literal["grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gmpo"]
 from moe_rl.objectives.registry import get_objective
 
 
@@ -12,7 +16,7 @@ from moe_rl.objectives.registry import get_objective
 class ObjectiveConfig:
     """The policy objective of an RL update (docs/design.md section 6)."""
 
-    name: str = "grpo"
+    name: ObjectiveName = "grpo"
     """Objective: grpo, gspo, gspo_token, dr_grpo, dapo, cispo or gmpo (`moe_rl.objectives.objective_names()`)."""
 
     clip_low: float | None = None

@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import warnings
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_rl.errors import check_positive
+from moe_rl.errors import DataError, check_positive
 from moe_rl.runs.atomic import TEMP_SUFFIX, atomic_write
 from moe_rl.runs.provenance import utc_now
 
@@ -76,13 +77,47 @@ def _keep_copy(latest: Path, target: Path) -> None:
     os.replace(temp, target)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """One checkpoint file, loaded without unpickling arbitrary objects."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *, mmap: bool = False,
+                    what: str = "checkpoint", require: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One checkpoint file, loaded without unpickling arbitrary objects (weights_only=True). Anything that is not a
+    checkpoint dict raises DataError naming the file and what is wrong with it, never torch's own paragraph (which
+    suggests weights_only=False, the one thing a user must not do with a file of unknown origin)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{what} {path} is a directory, not a checkpoint file (e.g. {path / CHECKPOINTS / LATEST})")
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{what} {path} is not a torch checkpoint (not a zip archive: a text file, random bytes, or "
+                        "a file cut short)")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:  # UnpicklingError, RuntimeError from a corrupt zip, ...: torch's text is not shown
+        raise DataError(f"{what} {path} cannot be loaded safely ({type(err).__name__}): it is corrupt or holds "
+                        "objects other than tensors and plain data") from None
+    if not isinstance(state, dict):
+        raise DataError(f"{what} {path} is not a moe-rl checkpoint: it holds a {type(state).__name__}, not a dict")
+    missing = [key for key in require if key not in state]
+    if missing:
+        raise DataError(f"{what} {path} is not a moe-rl checkpoint: it has no {', '.join(map(repr, missing))} "
+                        f"(its keys: {', '.join(sorted(map(str, state))[:8])})")
+    return state
 
 
-def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The newest checkpoint of a run; NoCheckpointError, naming the directory, when there is none."""
+def checkpoint_step(run_dir: str | os.PathLike) -> int | None:
+    """The step of a run's latest checkpoint, or None without one; memory-mapped, so no tensor is read. DataError,
+    naming the file, when it is not a readable checkpoint."""
+    path = Path(run_dir) / CHECKPOINTS / LATEST
+    if not path.is_file():
+        return None
+    state = load_checkpoint(path, mmap=True, what="the run's checkpoint", require=("step",))
+    return int(state["step"])
+
+
+def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu",
+                require: tuple[str, ...] = ("step",)) -> dict[str, Any]:
+    """The newest checkpoint of a run; NoCheckpointError, naming the directory, when there is none; DataError when
+    it is not a checkpoint holding the keys in `require`."""
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINTS / LATEST
     if not path.is_file():
@@ -91,7 +126,7 @@ def load_latest(run_dir: str | os.PathLike, map_location: str | torch.device = "
             f"cannot resume from {run_dir}: {problem}. Resume needs a run that saved a checkpoint; "
             "start a new run without --resume, or check the run name"
         )
-    return load_checkpoint(path, map_location)
+    return load_checkpoint(path, map_location, what="the checkpoint to resume from", require=require)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -116,6 +151,9 @@ def training_state(
     }
 
 
+TRAINING_STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "step")  # what restore_training_state reads
+
+
 def restore_training_state(
     state: Mapping[str, Any],
     model: torch.nn.Module,
@@ -126,8 +164,12 @@ def restore_training_state(
 ) -> int:
     """Load a `training_state` into live objects; returns the step it was saved at (state["data_position"] has
     the data position)."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as err:  # a missing or mis-shaped weight: name it, not torch's report
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"the checkpoint does not fit this model and optimizer: {first[:300]}") from None
     if scheduler is not None:
         if state["scheduler"] is None:
             raise ValueError("a scheduler was passed, but the checkpoint was saved without one")

@@ -54,7 +54,11 @@ TABLE_KINDS = ("routing", "samples")
 # Config fields that may differ between a run and its resume. An entry with a dot names one field
 # ("train.total_steps"); an entry without a dot names a field at any depth. Everything else must match, or the
 # resumed run would silently be a different experiment than the one its first half belongs to.
-RESUMABLE_FIELDS = ("total_steps", "resume", "log_every", "checkpoint_every", "keep_every", "trackers")
+# out_dir: a run directory may be renamed or spelled ./name; quiet, print_every and the W&B place change no result.
+RESUMABLE_FIELDS = ("total_steps", "resume", "log_every", "checkpoint_every", "keep_every", "trackers", "out_dir",
+                    "quiet", "print_every", "log.wandb.project", "log.wandb.entity", "log.wandb.group",
+                    "wandb.project", "wandb.entity", "wandb.group")
+PATH_FIELDS = ("init_from", "out_dir", "path", "eval_path")  # compared as paths: ./x is x
 ABSENT = "<absent>"  # a config field that one of two configs lacks
 
 
@@ -104,7 +108,15 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[s
     """{dotted key: (old value, new value)} for every field that differs; a missing field reads as ABSENT."""
     old_flat, new_flat = flatten(old), flatten(new)
     pairs = {key: (old_flat.get(key, ABSENT), new_flat.get(key, ABSENT)) for key in old_flat.keys() | new_flat.keys()}
-    return {key: pair for key, pair in sorted(pairs.items()) if pair[0] != pair[1]}
+    return {key: pair for key, pair in sorted(pairs.items()) if not _same(key, *pair)}
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal values; a path field also when it names the same path (./runs/sft vs runs/sft)."""
+    if old == new:
+        return True
+    is_path = key.rsplit(".", 1)[-1] in PATH_FIELDS and isinstance(old, str) and isinstance(new, str)
+    return is_path and os.path.normpath(old) == os.path.normpath(new)
 
 
 def _may_change_on_resume(key: str, allowed: Iterable[str]) -> bool:

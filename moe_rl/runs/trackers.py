@@ -15,10 +15,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from moe_rl.errors import check_choice
+from moe_rl.errors import ConfigError, check_choice
 
 TRACKING_EXTRA = "pip install 'moe-rl[tracking]'"
 TRACKER_NAMES = ("tensorboard", "wandb")
+TRACKER_MODULES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
 
 class Tracker(ABC):
@@ -35,10 +36,24 @@ def import_optional(module: str, package: str, feature: str) -> ModuleType:
     """Import `module` for `feature`, or fail with the pip command that installs `package`."""
     try:
         return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(
-            f"{feature} needs the '{package}' package, which is not installed; install it with: {TRACKING_EXTRA}"
-        ) from exc
+    except ImportError:
+        raise missing_package(package, feature) from None
+
+
+class MissingPackageError(ConfigError, ImportError):
+    """An optional package a config asks for is not installed (a user error: the CLI prints it as one line)."""
+
+
+def missing_package(package: str, feature: str) -> MissingPackageError:
+    return MissingPackageError(f"{feature} needs the '{package}' package, which is not installed; install it with: "
+                       f"{TRACKING_EXTRA} (or pip install {package})")
+
+
+def check_trackers_installed(names: Iterable[str], flag: str = "--log.trackers") -> None:
+    """Refuse, before a run starts, a tracker whose package is missing (ConfigError with the pip command)."""
+    for name in names:
+        check_choice("trackers", name, TRACKER_NAMES)
+        import_optional(*TRACKER_MODULES[name], f"{flag} {name}")
 
 
 def numeric_items(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -77,9 +92,11 @@ class WandbTracker(Tracker):
 
 
 def make_trackers(
-    names: Iterable[str], run_dir: str | os.PathLike, *, config: Mapping | None = None, wandb_project: str = "moe-rl"
+    names: Iterable[str], run_dir: str | os.PathLike, *, config: Mapping | None = None,
+    wandb: Mapping[str, Any] | None = None, run_id: str | None = None,
 ) -> list[Tracker]:
-    """The trackers a config asks for by name ("tensorboard", "wandb"); none by default."""
+    """The trackers a config asks for by name ("tensorboard", "wandb"); none by default. `wandb` holds project, entity
+    and group (WandbConfig); `run_id` names the W&B run, so that a resumed run continues the same one."""
     run_dir = Path(run_dir)
     trackers: list[Tracker] = []
     for name in names:
@@ -87,5 +104,9 @@ def make_trackers(
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
         else:
-            trackers.append(WandbTracker(wandb_project, name=run_dir.name, config=config, dir=str(run_dir)))
+            where = dict(wandb or {})
+            resume = {"id": run_id, "resume": "allow"} if run_id else {}
+            trackers.append(WandbTracker(where.get("project") or "moe-rl", name=run_dir.name, config=config,
+                                         entity=where.get("entity"), group=where.get("group"), dir=str(run_dir),
+                                         **resume))
     return trackers

@@ -39,12 +39,13 @@ from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.runlog import config_to_dict
 from moe_rl.sweep.config import SweepConfig
 from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
 from moe_rl.sweep.overrides import coerce, get_field, parse_assignments, with_overrides
-from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
+from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
 from moe_rl.sweep.sweepdir import INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo
 
 
@@ -85,9 +86,11 @@ def plan_sweep(experiment: Callable[..., Experiment], sweep_dir: str | os.PathLi
         name = run_name(point, spec.labels)
         cfg = with_overrides(base, point, what=f"experiment {fn.__name__!r}, run {name!r}: ")
         cfg = dataclasses.replace(cfg, out_dir=str(sweep_dir / RUNS / name), resume=False)
+        cfg = in_wandb_group(cfg, sweep_dir.name)
         key = None
         if warm is not None:
             key, sft_cfg = warmstart_for(warm, cfg, sweep_dir)
+            sft_cfg = in_wandb_group(sft_cfg, sweep_dir.name)
             warmstarts[key] = sft_cfg
             cfg = dataclasses.replace(cfg, init_from=str(Path(sft_cfg.out_dir) / CHECKPOINTS / LATEST))
         runs.append(PlannedRun(name, point, cfg, key))
@@ -119,13 +122,23 @@ def _apply_overrides(spec: Experiment, overrides: dict[str, Any]):
     return base, warm, typed
 
 
+def in_wandb_group(cfg, group: str):
+    """`cfg` with its W&B group set to the sweep's name, unless `--set log.wandb.group=...` chose one."""
+    if isinstance(cfg, SFTConfig):
+        return cfg if cfg.wandb.group else dataclasses.replace(cfg, wandb=dataclasses.replace(cfg.wandb, group=group))
+    if cfg.log.wandb.group:
+        return cfg
+    return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, wandb=dataclasses.replace(cfg.log.wandb,
+                                                                                             group=group)))
+
+
 def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path) -> tuple[str, SFTConfig]:
     """The warm start a run needs: the SFT config with the run's architecture, task and device, and its key."""
     arch = {f.name: getattr(run_cfg.model, f.name) for f in dataclasses.fields(ModelConfig)
             if f.name not in NON_ARCHITECTURE_FIELDS}
     cfg = dataclasses.replace(sft_cfg, model=dataclasses.replace(sft_cfg.model, **arch), task=run_cfg.task,
                               device=run_cfg.device)
-    stable = {k: v for k, v in config_to_dict(cfg).items() if k not in VOLATILE_FIELDS}
+    stable = stable_config(config_to_dict(cfg))
     digest = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:8]
     m = cfg.model
     key = f"L{m.n_layers}-E{m.n_experts}-K{m.top_k}-D{m.d_model}-{digest}"
@@ -155,7 +168,11 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
     if cfg.experiment not in experiments:
         what = f"unknown experiment {cfg.experiment!r}" if cfg.experiment else "name an experiment"
         raise ConfigError(f"{what}; available: {', '.join(experiments)}")
-    plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"), parse_assignments(cfg.set))
+    if cfg.sweep_dir is not None:
+        check_out_dir(cfg.sweep_dir, "--sweep-dir")
+    plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"),
+                      parse_assignments(cfg.set))
+    check_out_dir(plan.sweep_dir, "--sweep-dir")
     print_plan(plan, check_same_grid(plan), cfg.retry_diverged)
     if cfg.dry_run:
         print("dry run: nothing was run or written")
@@ -202,7 +219,7 @@ def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False) ->
         for key in plan.warmstarts:
             print(f"    {'start' if key in keys else 'done':<8} {key}")
     actions = [(run, *planned_action(run, retry_diverged)) for run in plan.runs]
-    tally = {a: sum(1 for _, b, _ in actions if b == a) for a in ("start", "resume", "restart", "skip")}
+    tally = {a: sum(1 for _, b, _ in actions if b == a) for a in ("start", "resume", "restart", "skip", "busy")}
     print(f"  runs ({len(plan.runs)}): " + ", ".join(f"{n} {a}" for a, n in tally.items() if n))
     width = max(len(run.name) for run in plan.runs)
     for run, action, why in actions:

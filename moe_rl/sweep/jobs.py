@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from moe_rl.config import SFTConfig, TrainConfig
-from moe_rl.errors import ConfigError
+from moe_rl.errors import USER_ERRORS, ConfigError
+from moe_rl.runs.lock import holder
+from moe_rl.runs.progress import duration
 from moe_rl.runs.provenance import utc_now
 from moe_rl.runs.runlog import read_config, read_manifest
 from moe_rl.sweep.overrides import from_dict
@@ -81,6 +83,8 @@ def _run_job(data: Mapping, name: str, threads: int | None) -> dict[str, Any]:
         raise WarmStartError(f"warm start {entry['warmstart']} has not finished, so this run cannot start")
     action, why = run_action(run_dir)
     resumed_from = None
+    if action == "busy":  # a worker of an earlier sweep driver still runs it: leave it alone
+        return {"name": name, "action": action, "why": why, "status": "running", "reason": why, "resumed_from": None}
     if action == "skip":
         pass
     elif action == "resume":
@@ -103,6 +107,9 @@ def _warmstart_job(data: Mapping, key: str, threads: int | None) -> dict[str, An
     run_dir = Path(cfg.out_dir)
     if warmstart_done(run_dir):
         return {"name": key, "action": "skip", "status": "finished", "reason": None}
+    busy = holder(run_dir)
+    if busy is not None:
+        raise WarmStartError(f"warm start {key} is in use by {busy} (a worker of an earlier sweep); wait for it")
     if run_dir.exists():
         shutil.rmtree(run_dir)  # SFT has no resume: an interrupted warm start starts over
     sft(dataclasses.replace(cfg, threads=threads or cfg.threads))
@@ -138,7 +145,7 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
 def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: int, echo) -> None:
     if not jobs:
         return
-    width = len(str(len(jobs)))
+    width, t0 = len(str(len(jobs))), time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
         futures = {pool.submit(_subprocess_job, sweep_dir, kind, name, threads): (kind, name) for kind, name in jobs}
@@ -148,7 +155,8 @@ def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: i
             run_dir = sweep_dir / (WARMSTART if kind == "warmstart" else RUNS) / name
             status, reason = job_status(sweep_dir, kind, name, run_dir)
             label = f"warm start {name}" if kind == "warmstart" else name
-            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s)"
+            eta = (time.perf_counter() - t0) / done * (len(jobs) - done)  # the pool's pace so far, workers included
+            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s, ETA {duration(eta)})"
                  + (f"  {reason}" if reason and status != "finished" else ""))
     except BaseException:
         # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
@@ -194,6 +202,9 @@ def _job_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = execute_job(args.sweep_dir, args.kind, args.name, args.threads)
+    except USER_ERRORS as err:  # the input's fault: one line, no traceback (the job record and index.csv have it)
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     except Exception as err:
         traceback.print_exc()
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)

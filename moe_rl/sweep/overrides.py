@@ -166,13 +166,15 @@ def _coerce_dict(value: Any, args: tuple, field: str) -> dict:
 
 
 def parse_assignments(items: Iterable[str], what: str = "--set") -> dict[str, str]:
-    """["optim.lr=3e-4", "seed=1"] -> {"optim.lr": "3e-4", "seed": "1"}; a malformed item is named."""
+    """["optim.lr=3e-4", "seed=1"] -> {"optim.lr": "3e-4", "seed": "1"}; a malformed item is named. Keys may be
+    spelled as the train flags spell them: "--optim.warmup-steps=5" is "optim.warmup_steps"."""
     parsed: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip().removeprefix("--").replace("-", "_")
+        if not sep or not key:
             raise ConfigError(f"{what} {item!r} must read key=value (e.g. optim.lr=3e-4)")
-        parsed[key.strip()] = value.strip()
+        parsed[key] = value.strip()
     return parsed
 
 

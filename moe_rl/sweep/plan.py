@@ -17,8 +17,10 @@ from typing import Any
 from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.runs.runlog import config_to_dict
 
-# Config fields the sweep sets itself (paths) or that change no result (threads): left out of the grid hash.
-VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads")
+# Config fields the sweep sets itself (paths) or that change no result (threads, quiet): left out of the grid hash.
+VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads", "quiet", "print_every", "wandb", "trackers")
+# Nested groups that change no result either: where W&B puts the runs.
+VOLATILE_GROUPS = (("log", "wandb"),)
 
 
 @dataclass
@@ -83,10 +85,19 @@ def _cli_value(value: Any) -> str:
 def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
     """sha256 of the expanded configs, without the fields the sweep sets (paths) or that change no result (threads)."""
     def stable(entry: dict) -> dict:
-        config = {k: v for k, v in entry["config"].items() if k not in VOLATILE_FIELDS}
+        config = stable_config(entry["config"])
         config["init_from"] = f"warmstart:{entry['warmstart']}" if entry["warmstart"] else entry["config"]["init_from"]
         return {"name": entry["name"], "config": config}
 
     body = {"runs": [stable(r) for r in runs],
-            "warmstarts": {k: {f: v for f, v in c.items() if f not in VOLATILE_FIELDS} for k, c in warmstarts.items()}}
+            "warmstarts": {k: stable_config(c) for k, c in warmstarts.items()}}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def stable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's JSON form without the fields that change no result (VOLATILE_FIELDS, VOLATILE_GROUPS)."""
+    stable = {k: v for k, v in config.items() if k not in VOLATILE_FIELDS}
+    for group, name in VOLATILE_GROUPS:
+        if isinstance(stable.get(group), Mapping):
+            stable[group] = {k: v for k, v in stable[group].items() if k != name}
+    return stable

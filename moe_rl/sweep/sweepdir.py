@@ -23,9 +23,10 @@ from typing import Any
 
 import pandas as pd
 
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, DataError
 from moe_rl.runs.atomic import atomic_write_text
-from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
+from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step
+from moe_rl.runs.lock import holder
 from moe_rl.runs.provenance import utc_now
 from moe_rl.runs.runlog import config_differences, read_manifest
 from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
@@ -101,27 +102,25 @@ def manifest_or_none(run_dir: Path) -> dict | None:
         return None
 
 
-def checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the run's latest checkpoint (memory-mapped, so no tensor is read), or None."""
-    path = run_dir / CHECKPOINTS / LATEST
-    if not path.is_file():
-        return None
-    import torch
-
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
-
-
 def run_action(run_dir: Path) -> tuple[str, str]:
-    """(skip | start | resume | restart, why). Finished and diverged runs are results and are skipped; a run that
-    stopped with a checkpoint resumes from it; one that stopped without a checkpoint starts over cleanly."""
+    """(skip | busy | start | resume | restart, why). Finished and diverged runs are results and are skipped; a run
+    whose process still holds its lock (a worker of an earlier, killed sweep driver) is busy and left alone; a run that
+    stopped with a checkpoint resumes from it; one that stopped without a checkpoint starts over cleanly. A checkpoint
+    that cannot be read plans a resume, which then fails for that run alone, naming the file."""
+    busy = holder(run_dir)
+    if busy is not None:
+        return "busy", f"in use by {busy}"
     manifest = manifest_or_none(run_dir)
     if manifest is None:
         return ("restart", "no manifest: it died before starting") if run_dir.exists() else ("start", "")
     status, reason = manifest["status"], manifest.get("reason")
     if status in ("finished", "diverged"):
         return "skip", status + (f": {reason}" if reason else "")
-    step = checkpoint_step(run_dir)
     was = f"was {status}" + (f": {reason}" if reason else "")
+    try:
+        step = checkpoint_step(run_dir)
+    except DataError as err:
+        return "resume", f"{err}; {was}"
     if step is not None:
         return "resume", f"from the checkpoint at step {step}; {was}"
     return "restart", f"no checkpoint; {was}"
@@ -160,7 +159,7 @@ def job_status(sweep_dir: Path, kind: str, name: str, run_dir: Path) -> tuple[st
     record = read_record(sweep_dir, kind, name)
     died = record.get("state") == "ended" and record.get("error")
     manifest = manifest_or_none(run_dir)
-    if manifest is not None and not (manifest["status"] == "running" and died):
+    if manifest is not None and not (manifest["status"] in ("running", "failed") and died):
         return manifest["status"], manifest.get("reason") or ""
     if died:
         return "failed", record["error"]
@@ -219,7 +218,7 @@ def file_lock(path: Path, blocking: bool = True) -> Iterator[None]:
 
 def todo(plan: SweepPlan, retry_diverged: bool = False) -> tuple[list[str], list[str]]:
     """(warm starts to run, runs to run), in plan order: the runs not skipped and the warm starts they still need."""
-    runs = [r for r in plan.runs if planned_action(r, retry_diverged)[0] != "skip"]
+    runs = [r for r in plan.runs if planned_action(r, retry_diverged)[0] not in ("skip", "busy")]
     keys = list(dict.fromkeys(r.warmstart for r in runs if r.warmstart))
     keys = [k for k in keys if not warmstart_done(Path(plan.warmstarts[k].out_dir))]
     return keys, [r.name for r in runs]
@@ -237,5 +236,5 @@ def planned_action(run: PlannedRun, retry_diverged: bool = False) -> tuple[str, 
 def clear_diverged(plan: SweepPlan) -> None:
     """--retry-diverged: remove the diverged runs, so that they start over."""
     for run in plan.runs:
-        if run_action(Path(run.config.out_dir))[1].startswith("diverged"):
+        if run_action(Path(run.config.out_dir))[1].startswith("diverged"):  # a busy run is never removed
             shutil.rmtree(run.config.out_dir)

@@ -19,7 +19,7 @@ class TaskConfig:
 
     source: Literal["reasoning_gym", "file"] = "reasoning_gym"
     """Where prompts come from: "reasoning_gym" (procedural generators, offline) or "file" (local JSONL/Parquet)."""
-    name: str = "chain_sum"
+    name: Literal[GYM_TASKS] = "chain_sum"  # the tuple spells the choices; --help lists them
     """reasoning-gym dataset (source=reasoning_gym): "basic_arithmetic", "chain_sum" or "countdown"."""
     seed: int = 0
     """Data seed (>= 0): fixes every problem of both splits, independently of the training seed."""

@@ -1,0 +1,79 @@
+"""What a running command prints: one line per rollout step (train), every n steps (sft), per finished job (sweep),
+and a last line with the run's status and directory. Printed by rank 0 only, to stdout, flushed at once so that a
+sweep's per-job log fills as the run goes; `--quiet` silences the progress lines (a divergence is still reported,
+on stderr).
+
+    step 12/50  reward 0.438  eval 0.406  churn 0.091  kl 2.1e-04  1.83 s/step  ETA 1m10s
+    finished: 50 steps in 1m32s -> runs/grpo
+    diverged at step 7: non-finite loss (nan) or gradient norm (nan) at step 7, minibatch 2 -> runs/grpo
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable, Mapping
+
+
+def duration(seconds: float) -> str:
+    """12.3 s -> '12s', 95 -> '1m35s', 4000 -> '1h06m'."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _number(value: float) -> str:
+    return f"{value:.2e}" if value != 0 and abs(value) < 1e-3 else f"{value:.3f}"
+
+
+class Progress:
+    """Prints `step i/total  <fields>  s/step  ETA` lines; the rate counts only the steps this process ran."""
+
+    def __init__(self, total: int, *, start: int = 0, quiet: bool = False, unit: str = "step"):
+        self.total, self.start, self.quiet, self.unit = total, start, quiet, unit
+        self.t0 = time.perf_counter()
+
+    def step(self, done: int, fields: Mapping[str, float | None]) -> None:
+        """`done` steps are complete; `fields` (None values left out) go between the count and the timing."""
+        if self.quiet:
+            return
+        elapsed = time.perf_counter() - self.t0
+        rate = elapsed / max(1, done - self.start)
+        shown = "  ".join(f"{k} {_number(v)}" for k, v in fields.items() if v is not None and math.isfinite(v))
+        width = len(str(self.total))
+        say(f"{self.unit} {done:>{width}}/{self.total}  {shown}  {rate:.2f} s/{self.unit}  "
+            f"ETA {duration(rate * (self.total - done))}")
+
+    def end(self, status: str, run_dir: str, step: int, reason: str | None = None) -> None:
+        """The last line: how the run ended, and where it lives."""
+        if status == "diverged":
+            say(f"diverged at {self.unit} {step}: {reason} -> {run_dir}", err=True)
+        elif not self.quiet:
+            ran = step - self.start
+            say(f"{status}: {ran} {self.unit}s in {duration(time.perf_counter() - self.t0)} -> {run_dir}")
+
+
+def rl_step_fields(lines: Iterable[Mapping]) -> dict[str, float | None]:
+    """The progress fields of one rollout step from its metrics lines: the rollout's reward, the held-out reward
+    when it was evaluated, and the mean over its optimizer steps of the update churn and the k3 KL(old || new)."""
+    lines = list(lines)
+
+    def first(key: str):
+        return next((line[key] for line in lines if isinstance(line.get(key), (int, float))), None)
+
+    def mean(key: str):
+        values = [line[key] for line in lines if isinstance(line.get(key), (int, float))]
+        return sum(values) / len(values) if values else None
+
+    return {"reward": first("reward"), "eval": first("eval/reward"), "churn": mean("routing/update/churn"),
+            "kl": mean("kl")}
+
+
+def say(line: str, err: bool = False) -> None:
+    print(line, file=sys.stderr if err else sys.stdout, flush=True)
