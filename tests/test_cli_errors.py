@@ -255,8 +255,11 @@ def test_runs_stopped_before_a_checkpoint_start_again_and_resume_keeps_every_lin
 
 def test_a_second_writer_is_refused_at_once_and_the_sweep_leaves_a_busy_run_alone(work, finished):
     run = copy_run(finished, work / "busy")
+    # the same command the run was made with (its init_from is deleted: a resume does not read it), so that the
+    # first writer really runs instead of stopping at a config change
     first = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", *TRAIN, "--out-dir", run, "--total-steps", "200",
-                              "--log.eval-every", "0", "--resume", "--quiet"], cwd=work, env=ENV,
+                              "--log.eval-every", "1", "--init-from", str(work / "init.pt"), "--resume", "--quiet"],
+                             cwd=work, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -265,7 +268,8 @@ def test_a_second_writer_is_refused_at_once_and_the_sweep_leaves_a_busy_run_alon
         assert holder(run) == f"pid {first.pid} on {os.uname().nodename}", first.poll()
         assert run_action(run) == ("busy", f"in use by pid {first.pid} on {os.uname().nodename}")
         t0 = time.perf_counter()
-        second = moe_rl(*TRAIN, "--out-dir", run, "--total-steps", "200", "--resume", cwd=work)
+        second = moe_rl(*TRAIN, "--out-dir", run, "--total-steps", "200", "--log.eval-every", "1", "--init-from",
+                        work / "init.pt", "--resume", cwd=work)
         assert second.returncode == 2 and f"in use by another run (pid {first.pid}" in second.stderr
         assert "Traceback" not in second.stderr and time.perf_counter() - t0 < 60
     finally:
