@@ -1,0 +1,34 @@
+"""stress: the objective comparison where GRPO with native routing is pushed until it degrades: a higher learning rate
+and more minibatches per rollout batch (more off-policy updates per sample), the knobs the GSPO paper's failure of
+token-level GRPO on MoE is attributed to. Same five methods, same warm start and sampler mismatch as
+objective_comparison; the question is which of them collapse (analysis/collapse.py: held-out reward below half its
+start for the rest of the run, or diverged) and which keep learning.
+
+    moe-rl sweep stress --workers 2                            # CPU: 5 methods x 5 seeds = 25 runs
+    moe-rl sweep stress --arg lr=3e-4 minibatches=8            # a harsher arm
+    moe-rl sweep stress --arg scale=gpu --executor slurm --partition gpu --time 240
+
+CPU (default): the objective_comparison regime (long_regime.py) with lr 1e-4 and 4 minibatches (3 of 4 updates
+off-policy), 40 rollout steps. See the objective_comparison docstring for the probe runs behind these values.
+GPU (`scale="gpu"`): the gpu regime at 3x its lr with 8 minibatches; not yet run.
+"""
+
+from __future__ import annotations
+
+from moe_rl.sweep.grid import Experiment
+
+from experiments.long_regime import SAMPLER_PRECISION, knobs, regime_base, regime_warm_start
+from experiments.objective_comparison import methods_grid
+
+CPU_STRESS = dict(lr=1e-4, minibatches=4)
+
+
+def stress(scale: str = "cpu", seeds: int = 5, steps: int = 0, lr: float = 0.0, minibatches: int = 0,
+           all_objectives: bool = False, precision: str = SAMPLER_PRECISION) -> Experiment:
+    """The five methods in the stress arm; `lr` and `minibatches` 0 take the arm's defaults (cpu lr 1e-4, 4
+    minibatches; gpu 3x the regime's lr, 8 minibatches), `steps` 0 the regime's."""
+    k = knobs(scale)
+    arm = CPU_STRESS if scale == "cpu" else dict(lr=3 * k["lr"], minibatches=8)
+    base = regime_base(scale, steps=steps, lr=lr or arm["lr"], minibatches=minibatches or arm["minibatches"],
+                       precision=precision)
+    return Experiment(base, methods_grid(all_objectives, seeds), warmstart=regime_warm_start(scale, precision))
