@@ -1,5 +1,6 @@
-"""The long-completion CPU regime that objective_comparison and stress share: the model, task, warm start and RL
-knobs, chosen by the search recorded in the objective_comparison docstring.
+"""The long-completion CPU setting that objective_comparison and stress share: the model, task, warm start and RL
+knobs, chosen by the search recorded in the objective_comparison docstring (which did not yet find knobs under which
+GRPO raises held-out reward by 0.10 in 40 rollout steps: these are the safest that keep the policy intact).
 
 cpu: fine-grained routing as in Qwen3-MoE at a tiny width: d_model 64, 4 blocks, each an MoE of 64 experts of width 32
      with top-8 routing (8 MoE layers did not fit the time budget: 4.5 vs 2 CPU-minutes for the warm start, twice the
@@ -28,7 +29,7 @@ GPU_TASK = TaskConfig(name="running_sum", min_terms=4, max_terms=8, max_digits=2
 SAMPLER_PRECISION = "bf16"  # the emulated inference engine: the subject of R3
 
 # RL knobs of the cpu regime (see objective_comparison for the search that chose them)
-CPU = dict(prompts_per_step=64, group_size=8, minibatches=2, lr=3e-5, warmup_steps=10, steps=40, eval_every=10,
+CPU = dict(prompts_per_step=64, group_size=8, minibatches=4, lr=5e-5, warmup_steps=10, steps=40, eval_every=10,
            eval_prompts=256, max_new_tokens=48, sft_steps=500)
 GPU = dict(prompts_per_step=64, group_size=16, minibatches=4, lr=1e-5, warmup_steps=20, steps=200, eval_every=20,
            eval_prompts=512, max_new_tokens=96, sft_steps=2000)

@@ -8,7 +8,7 @@ start for the rest of the run, or diverged) and which keep learning.
     moe-rl sweep stress --arg lr=3e-4 minibatches=8            # a harsher arm
     moe-rl sweep stress --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU (default): the objective_comparison regime (long_regime.py) with lr 1e-4 and 4 minibatches (3 of 4 updates
+CPU (default): the objective_comparison regime (long_regime.py) with lr 1e-4 (2x) and 8 minibatches (2x: 7 of 8 updates
 off-policy), 40 rollout steps. See the objective_comparison docstring for the probe runs behind these values.
 GPU (`scale="gpu"`): the gpu regime at 3x its lr with 8 minibatches; not yet run.
 """
@@ -20,12 +20,12 @@ from moe_rl.sweep.grid import Experiment
 from experiments.long_regime import SAMPLER_PRECISION, knobs, regime_base, regime_warm_start
 from experiments.objective_comparison import methods_grid
 
-CPU_STRESS = dict(lr=1e-4, minibatches=4)
+CPU_STRESS = dict(lr=1e-4, minibatches=8)
 
 
 def stress(scale: str = "cpu", seeds: int = 5, steps: int = 0, lr: float = 0.0, minibatches: int = 0,
            all_objectives: bool = False, precision: str = SAMPLER_PRECISION) -> Experiment:
-    """The five methods in the stress arm; `lr` and `minibatches` 0 take the arm's defaults (cpu lr 1e-4, 4
+    """The five methods in the stress arm; `lr` and `minibatches` 0 take the arm's defaults (cpu lr 1e-4, 8
     minibatches; gpu 3x the regime's lr, 8 minibatches), `steps` 0 the regime's."""
     k = knobs(scale)
     arm = CPU_STRESS if scale == "cpu" else dict(lr=3 * k["lr"], minibatches=8)
