@@ -9,7 +9,11 @@ start for the rest of the run, or diverged) and which keep learning.
     moe-rl sweep stress --arg scale=gpu --executor slurm --partition gpu --time 240
 
 CPU (default): the objective_comparison regime (long_regime.py) with lr 1e-4 (2x) and 8 minibatches (2x: 7 of 8 updates
-off-policy), 40 rollout steps. See the objective_comparison docstring for the probe runs behind these values.
+off-policy), 40 rollout steps. Probe run (GRPO, native routing, bf16 sampler, probes off, 30 steps; the search's
+base command in objective_comparison plus `--rollout.prompts-per-step 64 --minibatches 8 --optim.lr 1e-4
+--rollout.sampling.precision bf16`): held-out reward 0.363 -> 0.301 (10) 0.285 (20) 0.266 (30), a steady loss of
+0.10 but not a collapse by analysis/collapse.py (half the start is 0.18); 2.5 CPU-minutes (2 min 51 s wall). With
+every probe on, expect about twice that per run: 8 updates per rollout step each pay for the update probe.
 GPU (`scale="gpu"`): the gpu regime at 3x its lr with 8 minibatches; not yet run.
 """
 
