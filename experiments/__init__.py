@@ -6,7 +6,7 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `smoke`                | does the sweep path work end to end (tests, CI)                         | 4 runs, ~30 s    |
 | `churn_repro`          | update churn per layer vs lr, depth, experts, top-k (GSPO's ~10% claim) | 30 runs, ~10 min |
 | `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 where GRPO learns (long completions)   | 25 runs, see doc |
-| `stress`               | the same methods at a higher lr and more minibatches: who collapses     | 25 runs, see doc |
+| `stress`               | the same methods at 4x lr and 8 minibatches: who collapses              | 25 runs, see doc |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
