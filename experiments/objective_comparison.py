@@ -20,8 +20,9 @@ F(2), per-update KL, update churn and the rollout probe's sampler-vs-trainer `se
 CPU (default): see long_regime.py for the model, task and warm start; GRPO knobs 64 prompts x 8 completions per
 rollout step, 4 minibatches, lr 5e-5 (10 warmup updates), 40 rollout steps, held-out eval of 256 prompts every 10.
 One run with every probe and the bf16 sampler: about 10-12 s per rollout step on the shared 2-core machine
-(rollout 3.8 s, old pass 1.3 s, 4 updates 2.8 s, probes 4 x 1.1 s), so 40 steps are about 3 CPU-minutes and 25 runs
-about 40 minutes with --workers 2, plus the 2 CPU-minute warm start.
+(rollout 3.8 s, old pass 1.3 s, 4 updates 2.8 s, probes 4 x 1.1 s); without probes and bf16, 40 steps took 2.4
+CPU-minutes (a7 below), so expect 3-4 CPU-minutes per run and 40-50 minutes for 25 runs with --workers 2 on two
+free cores, plus the 2 CPU-minute warm start.
 
 NOT YET A LEARNING REGIME. In the search below no setting raised held-out reward by 0.10 within 40 rollout steps:
 lr >= 1e-4 lost 0.05-0.10 within 10 steps; lr 3e-5..5e-5 kept the policy and raised training reward by about 0.03-0.05
