@@ -11,7 +11,7 @@ from moe_rl.rollout import SamplingConfig
 from moe_rl.tasks import TaskConfig, build_task
 from moe_rl.train import train
 
-MARGIN = 0.1  # mean training reward of the last 8 rollout steps over the first 8
+MARGIN = 0.1  # last 8 rollout steps over the first 8; measured +0.145 with the defaults, +0.03 at lr 1e-6
 
 
 def test_default_optimizer_raises_reward_on_a_fixed_prompt_set(tmp_path, sft_checkpoint):
@@ -22,7 +22,7 @@ def test_default_optimizer_raises_reward_on_a_fixed_prompt_set(tmp_path, sft_che
             problem = task.problem("train", 200_000 + i)
             f.write(json.dumps({"prompt": problem.prompt, "answer": problem.answer}) + "\n")
     cfg = tiny_train_config(
-        tmp_path / "run", total_steps=40, init_from=str(sft_checkpoint), optim=OptimConfig(),
+        tmp_path / "run", total_steps=60, init_from=str(sft_checkpoint), optim=OptimConfig(),
         task=TaskConfig(source="file", path=str(path), eval_fraction=0.2),
         rollout=RolloutConfig(prompts_per_step=8, group_size=8, sampling=SamplingConfig(max_new_tokens=6)),
         probes=ProbeConfig(enabled=()),
