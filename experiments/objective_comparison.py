@@ -20,9 +20,11 @@ F(2), per-update KL, update churn and the rollout probe's sampler-vs-trainer `se
 CPU (default): see long_regime.py for the model, task and warm start; GRPO knobs 64 prompts x 8 completions per
 rollout step, 4 minibatches, lr 5e-5 (10 warmup updates), 40 rollout steps, held-out eval of 256 prompts every 10.
 One run with every probe and the bf16 sampler: about 10-12 s per rollout step on the shared 2-core machine
-(rollout 3.8 s, old pass 1.3 s, 4 updates 2.8 s, probes 4 x 1.1 s); without probes and bf16, 40 steps took 2.4
-CPU-minutes (a7 below), so expect 3-4 CPU-minutes per run and 40-50 minutes for 25 runs with --workers 2 on two
-free cores, plus the 2 CPU-minute warm start.
+(rollout 3.8 s, old pass 1.3 s, 4 updates 2.8 s, probes 4 x 1.1 s). Measured CPU time: 8.2 s per rollout step with
+every probe and the bf16 sampler (a8's resumed steps 25-80: 7 min 33 s user), 3.6 s without probes (a7: 40 steps in
+2.4 CPU-minutes). So a 40-step run with every probe is about 5.5 CPU-minutes and 25 runs about 70 minutes with
+--workers 2 on two free cores (plus the 2 CPU-minute warm start); `--set probes.every=update:4` or fewer probes cut
+most of the difference.
 
 NOT YET A LEARNING REGIME. In the search below no setting raised held-out reward by 0.10 within 40 rollout steps:
 lr >= 1e-4 lost 0.05-0.10 within 10 steps; lr 3e-5..5e-5 kept the policy and raised training reward by about 0.03-0.05
@@ -45,7 +47,8 @@ machine, CPU = user time). Base command:
   a5  32x8, 2 mb, lr 1e-4, aux loss 0:    0.371 -> 0.320 (10) 0.285 0.305 0.324 (40)
   a6  32x8, 2 mb, lr 1e-4, temperature 1.3: 0.266 -> 0.230 (10) 0.234 0.191 0.285 (40); 1.3 CPU-min
   a7  64x8, 4 mb, lr 5e-5:                0.371 -> 0.375 (10) 0.375 0.363 0.367 (40); 2.4 CPU-min
-  a8  a7 + bf16 sampler + every probe:    0.363 -> 0.367 (10) 0.414 0.371 0.344 (40); about 8 min wall
+  a8  a7 + bf16 sampler + every probe, 80 steps: 0.363 -> 0.367 (10) 0.414 0.371 0.344 (40) 0.387 0.363 0.414
+      0.387 (80); training reward 0.355 (mean of steps 0-9) -> 0.40 (steps 70-79); about 11 CPU-minutes
 Sampler mismatch (a8, rollout probe, bf16 sampler vs fp32 trainer, mean over 39 rollout steps): 4.3% of router
 decisions (set_change), 14% of response tokens with any layer routed differently (token_any; 4 MoE layers),
 mean |log p_sampler - log p_trainer| 0.007. With 8 MoE layers (8-block model, 3 steps): 4.1-5.3% and 24-29%.
