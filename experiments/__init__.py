@@ -5,7 +5,8 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 |------------------------|-------------------------------------------------------------------------|------------------|
 | `smoke`                | does the sweep path work end to end (tests, CI)                         | 4 runs, ~30 s    |
 | `churn_repro`          | update churn (both readings) vs lr, depth, experts, top-k, 3 seeds      | 24 runs, <30 min |
-| `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 on one warm start, over seeds         | 15 runs, ~10 min |
+| `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 where GRPO learns (long completions)   | 25 runs, see doc |
+| `stress`               | the same methods at 4x lr and 8 minibatches: who collapses              | 25 runs, see doc |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
@@ -20,11 +21,12 @@ from experiments.ablations import ablations
 from experiments.churn_repro import churn_repro
 from experiments.objective_comparison import objective_comparison
 from experiments.smoke import smoke
+from experiments.stress import stress
 
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 
-EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations)}
+EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress)}
 
 
 def get_experiment(name: str) -> Callable[..., Experiment]:
@@ -34,4 +36,4 @@ def get_experiment(name: str) -> Callable[..., Experiment]:
     return EXPERIMENTS[name]
 
 
-__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "objective_comparison", "smoke"]
+__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "objective_comparison", "smoke", "stress"]

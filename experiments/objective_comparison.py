@@ -1,59 +1,80 @@
-"""objective_comparison: on the same warm-started MoE model and task, which objectives and routing modes learn, and
-how stable are they? GRPO (native routing), GRPO+R2, GRPO+R3, GSPO and GSPO+R2, several seeds each.
+"""objective_comparison: in a regime where GRPO learns, with long completions and a sampler that routes differently
+from the trainer, which objectives and routing modes learn, and how stable are they? GRPO (native routing), GRPO+R2,
+GRPO+R3, GSPO and GSPO+R2, five seeds each, from one warm start.
 
-The GSPO paper (arXiv 2507.18071) reports that token-level GRPO on MoE fails to converge without Routing Replay, and
-that GSPO needs no replay. Every run uses the paper's off-policy setting (each rollout batch split into 4 minibatches,
-so 3 of 4 updates are off-policy) and logs reward, held-out reward (`eval/reward` every 10 steps), clip fractions,
-the extreme-token fraction F(2) and churn, so that seeds give confidence intervals per method.
-`all_objectives=true` adds a second tier with native routing: cispo, gmpo, dapo, dr_grpo, gspo_token.
-On CPU, R3 and R2 runs are nearly identical: the sampler routes like the trainer's old pass (no bf16 or kernel
-mismatch) except at rare near-exact router ties, where the KV-cached and the full forward round differently (one
-such flip in the committed study: at the last step of seed 2, seen by both its R2 and R3 runs, which are
-identical up to there); R3 differs from R2 on GPU.
+The GSPO paper (arXiv 2507.18071) reports that token-level GRPO on MoE fails to converge without Routing Replay and
+that GSPO needs none; the R3 paper (rollout routing replay) that replaying the inference engine's routing (R3) beats
+replaying the trainer's old pass (R2) because the engine's rounding flips router decisions. Every run here uses the
+regime of experiments/long_regime.py: running sums with worked solutions (about 28 generated tokens), a 4-block model
+with 64 experts and top-8 routing, and a sampler running as an emulated bf16 inference engine while the trainer
+stays fp32 (`sampling.precision bf16`), so R3 and R2 replay different routings. The mismatch is always on, not an
+axis: without it R3 equals R2 on CPU and the fifth method would be a duplicate. `precision=trainer` turns it off.
+Each run logs training and held-out reward (`eval/reward` on 256 held-out prompts every 10 steps), clip fractions,
+F(2), per-update KL, update churn and the rollout probe's sampler-vs-trainer `set_change`.
+`all_objectives=true` adds cispo and gmpo with native routing.
 
-    moe-rl sweep objective_comparison --workers 2                        # CPU: 5 methods x 3 seeds = 15 runs
-    moe-rl sweep objective_comparison --arg all_objectives=true seeds=5  # 10 methods x 5 seeds = 50 runs
-    moe-rl sweep objective_comparison --arg lr=3e-4 steps=200
+    moe-rl sweep objective_comparison --workers 2                          # CPU: 5 methods x 5 seeds = 25 runs
+    moe-rl sweep objective_comparison --arg all_objectives=true            # 7 methods x 5 seeds = 35 runs
     moe-rl sweep objective_comparison --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU (default): a more MoE-like tiny model (4 layers, 32 experts, top-4, expert width 32) on chain_sum with two
-one-digit terms, a prompt space of about 200 that recurs every dozen steps (RL over epochs of a fixed dataset),
-warm started by only 120 SFT steps so that RL starts near 0.3 reward and has room to improve; lr 2e-4 with 10
-warmup updates, 150 rollout steps (600 updates). Measured in a pilot (seed 0): GRPO and GSPO both raise the
-training reward from about 0.37 to 0.46, with update churn about 1.5% per update and a clipped-token fraction of
-3% (GRPO) vs 38% (GSPO). 15 runs of about 45 s each plus a 10 s warm start: about 7 min with --workers 2.
-GPU (`scale="gpu"`): 200 rollout steps at lr 1e-5 on the gpu base, not yet timed.
+CPU (default): see long_regime.py for the model, task and warm start; GRPO knobs 64 prompts x 8 completions per
+rollout step, 4 minibatches, lr 5e-5 (10 warmup updates), 40 rollout steps, held-out eval of 256 prompts every 10.
+One run with every probe and the bf16 sampler: about 10-12 s per rollout step on the shared 2-core machine
+(rollout 3.8 s, old pass 1.3 s, 4 updates 2.8 s, probes 4 x 1.1 s). Measured CPU time: 8.2 s per rollout step with
+every probe and the bf16 sampler (a8's resumed steps 25-80: 7 min 33 s user), 3.6 s without probes (a7: 40 steps in
+2.4 CPU-minutes). So a 40-step run with every probe is about 5.5 CPU-minutes and 25 runs about 70 minutes with
+--workers 2 on two free cores (plus the 2 CPU-minute warm start); `--set probes.every=update:4` or fewer probes cut
+most of the difference.
+
+NOT YET A LEARNING REGIME. In the search below no setting raised held-out reward by 0.10 within 40 rollout steps:
+lr >= 1e-4 lost 0.05-0.10 within 10 steps; lr 3e-5..5e-5 kept the policy and raised training reward by about 0.03-0.05
+while held-out stayed within noise (standard error about 0.03 on 256 prompts). The warm start's failures are
+confident arithmetic mistakes (149 of 161 failures on 256 held-out prompts differ from the reference first at a
+step's result; greedy accuracy 0.53), not sampling noise, so sharpening gains little and RL has to learn arithmetic.
+
+Search (4-block, 64-expert, top-8 model; running_sum 4-6 terms; warm start 500 SFT steps; mean completion length
+28 tokens in every run; held-out = eval/reward on 256 prompts at the training temperature; wall times on the shared
+machine, CPU = user time). Base command:
+    moe-rl train --model.n-layers 4 --model.n-experts 64 --model.top-k 8 --model.d-expert 32 --task.name running_sum
+      --task.min-terms 4 --task.max-terms 6 --rollout.sampling.max-new-tokens 48 --init-from <sft>
+      --log.eval-every 10 --log.eval-prompts 256 --probes.enabled   (probes off) + the knobs below
+  warm start: moe-rl sft (same model/task) --steps 500: 2.0 CPU-min; held-out 0.37 (T 1), 0.42 (T 0.7), 0.53 (greedy),
+              0.27 (T 1.3). 300 steps: 0.07. 8 blocks, 600 steps: 4.5 CPU-min; 0.61 / 0.70 / 0.73 (T 1 / 0.7 / greedy).
+  a1  32x8, 2 mb, lr 1e-4:                held-out 0.371 -> 0.289 (10) 0.324 0.324 0.348 (40); 1.4 CPU-min
+  a2  64x8, 1 mb, lr 1e-4, warmup 5:      0.371 -> 0.273 (10); stopped
+  a3  64x8, 2 mb, lr 3e-5:                0.371 -> 0.359 (10) 0.355 (20); training 0.36 -> 0.39; stopped at 30
+  a4  64x8, 2 mb, lr 5e-5, temperature 1.3: 0.266 -> 0.262 (10) 0.277 (20); training 0.26 -> 0.30; stopped at 23
+  a5  32x8, 2 mb, lr 1e-4, aux loss 0:    0.371 -> 0.320 (10) 0.285 0.305 0.324 (40)
+  a6  32x8, 2 mb, lr 1e-4, temperature 1.3: 0.266 -> 0.230 (10) 0.234 0.191 0.285 (40); 1.3 CPU-min
+  a7  64x8, 4 mb, lr 5e-5:                0.371 -> 0.375 (10) 0.375 0.363 0.367 (40); 2.4 CPU-min
+  a8  a7 + bf16 sampler + every probe, 80 steps: 0.363 -> 0.367 (10) 0.414 0.371 0.344 (40) 0.387 0.363 0.414
+      0.387 (80); training reward 0.355 (mean of steps 0-9) -> 0.40 (steps 70-79); about 11 CPU-minutes
+Sampler mismatch (a8, rollout probe, bf16 sampler vs fp32 trainer, mean over 39 rollout steps): 4.3% of router
+decisions (set_change), 14% of response tokens with any layer routed differently (token_any; 4 MoE layers),
+mean |log p_sampler - log p_trainer| 0.007. With 8 MoE layers (8-block model, 3 steps): 4.1-5.3% and 24-29%.
+The R3 paper reports about 10% of routers and 94% of tokens on a 48-layer engine.
+GPU (`scale="gpu"`): the common gpu model on running_sum with 4-8 terms of 1-2 digits; not yet run.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moe_rl.sweep.grid import Experiment, axis, product
-from moe_rl.model import ModelConfig
-from moe_rl.tasks import TaskConfig
 
-from experiments.common import rl_base, warm_start
-
-# CPU: more experts per token than the default tiny model, so routing has more near-ties to churn on.
-CPU_MODEL = ModelConfig(n_experts=32, top_k=4, d_expert=32)
-CPU_TASK = TaskConfig(min_terms=2, max_terms=2)
+from experiments.long_regime import SAMPLER_PRECISION, regime_base, regime_warm_start
 
 METHODS = [("grpo", "native"), ("grpo", "R2"), ("grpo", "R3"), ("gspo", "native"), ("gspo", "R2")]
-SECOND_TIER = [("cispo", "native"), ("gmpo", "native"), ("dapo", "native"), ("dr_grpo", "native"),
-               ("gspo_token", "native")]
+SECOND_TIER = [("cispo", "native"), ("gmpo", "native")]
 
 
-def objective_comparison(scale: str = "cpu", seeds: int = 3, steps: int = 0, lr: float = 0.0,
-                         all_objectives: bool = False) -> Experiment:
-    """Methods x seeds from one warm start; `steps` and `lr` 0 take the scale's defaults (cpu 150 steps at lr 2e-4,
-    gpu 200 steps at lr 1e-5)."""
-    cpu = scale == "cpu"
-    base = rl_base(scale, total_steps=steps or (150 if cpu else 200), lr=lr or (2e-4 if cpu else 1e-5))
-    sft = warm_start(scale)
-    if cpu:
-        base = replace(base, model=CPU_MODEL, task=CPU_TASK, log=replace(base.log, eval_every=25, eval_prompts=128))
-        sft = replace(sft, model=CPU_MODEL, task=CPU_TASK, steps=120)
+def methods_grid(all_objectives: bool, seeds: int) -> list[dict]:
     methods = METHODS + (SECOND_TIER if all_objectives else [])
     points = [{"objective.name": name, "routing_mode": mode} for name, mode in methods]
-    return Experiment(base, product(points, axis("seed", range(seeds))), warmstart=sft)
+    return product(points, axis("seed", range(seeds)))
+
+
+def objective_comparison(scale: str = "cpu", seeds: int = 5, steps: int = 0, lr: float = 0.0,
+                         all_objectives: bool = False, precision: str = SAMPLER_PRECISION) -> Experiment:
+    """Methods x seeds from one warm start; `steps` and `lr` 0 take the regime's defaults (long_regime.py);
+    `precision` is the sampler's ('bf16': emulated inference engine, 'trainer': identical routing)."""
+    base = regime_base(scale, steps=steps, lr=lr, precision=precision)
+    return Experiment(base, methods_grid(all_objectives, seeds), warmstart=regime_warm_start(scale, precision))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_rl.errors import ConfigError, check_positive
-from moe_rl.model.layers import autocast_context
+from moe_rl.errors import ConfigError, check_choice, check_positive
+from moe_rl.model.layers import SAMPLER_PRECISIONS, sampler_autocast
 from moe_rl.routing import RoutingTrace, record_routing
 
 
@@ -38,9 +38,14 @@ class SamplingConfig:
     """Softmax temperature (> 0); the policy's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
+    precision: str = "trainer"
+    """Sampler numerics: 'trainer' (the trainer's: fp32 on CPU) or 'bf16' (an emulated inference engine: bf16
+    autocast with bf16 router logits, so some router decisions differ from the fp32 trainer's; R3 then differs
+    from R2). Held-out evaluation samples the same way."""
 
     def __post_init__(self) -> None:
         check_positive("max_new_tokens", self.max_new_tokens)
+        check_choice("sampling.precision", self.precision, SAMPLER_PRECISIONS)
         check_positive("temperature", self.temperature)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
@@ -138,7 +143,7 @@ def generate(
     finished_B = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
     logprobs = []
     with record_routing(model) if record and use_cache else nullcontext() as recorder, \
-            autocast_context(ids_BP.device):
+            sampler_autocast(ids_BP.device, cfg.precision):
         logits_BV = model(ids_BP, valid_BP, cache).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
             next_B, logp_B = sample_next(logits_BV, cfg, generator)

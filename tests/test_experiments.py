@@ -48,21 +48,39 @@ def test_every_experiment_documents_its_question_time_and_gpu_variant(name):
     assert "scale" in inspect.signature(fn).parameters
 
 
-def test_objective_comparison_grid():
+def test_objective_comparison_grid_is_the_long_completion_regime_with_a_sampler_mismatch():
     plan = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused")
     names = [run.name for run in plan.runs]
-    assert len(names) == 5 * 3
-    assert names[:4] == ["obj=grpo,mode=native,seed=0", "obj=grpo,mode=native,seed=1",
-                         "obj=grpo,mode=native,seed=2", "obj=grpo,mode=R2,seed=0"]
+    assert len(names) == 5 * 5
+    assert names[:6] == [f"obj=grpo,mode=native,seed={s}" for s in range(5)] + ["obj=grpo,mode=R2,seed=0"]
     methods = {(r.config.objective.name, r.config.routing_mode) for r in plan.runs}
     assert methods == {("grpo", "native"), ("grpo", "R2"), ("grpo", "R3"), ("gspo", "native"), ("gspo", "R2")}
-    assert all(r.config.minibatches == 4 for r in plan.runs)  # the off-policy setting
+    cfg = plan.runs[0].config
+    assert cfg.task.name == "running_sum" and cfg.rollout.sampling.max_new_tokens >= 40
+    assert cfg.rollout.sampling.precision == "bf16"  # R3 replays a routing that differs from R2's
+    assert (cfg.model.n_experts, cfg.model.top_k) == (64, 8)
+    assert cfg.log.eval_every > 0 and cfg.log.eval_prompts >= 256  # held-out reward resolves +0.1
     assert len(plan.warmstarts) == 1  # one model: every method starts from the same warm start
+    warm = next(iter(plan.warmstarts.values()))
+    assert warm.sampling.max_new_tokens == cfg.rollout.sampling.max_new_tokens
 
     wide = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused", {"all_objectives": "true", "seeds": "2"})
-    assert len(wide.runs) == 10 * 2
-    assert {r.config.objective.name for r in wide.runs} == {
-        "grpo", "gspo", "cispo", "gmpo", "dapo", "dr_grpo", "gspo_token"}
+    assert len(wide.runs) == 7 * 2
+    assert {r.config.objective.name for r in wide.runs} == {"grpo", "gspo", "cispo", "gmpo"}
+    same = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused", {"precision": "trainer"})
+    assert {r.config.rollout.sampling.precision for r in same.runs} == {"trainer"}
+
+
+def test_stress_is_the_comparison_at_a_higher_lr_and_more_minibatches():
+    calm = plan_sweep(get_experiment("objective_comparison"), "/tmp/unused").runs[0].config
+    plan = plan_sweep(get_experiment("stress"), "/tmp/unused")
+    assert [r.name for r in plan.runs] == [r.name for r in plan_sweep(get_experiment("objective_comparison"),
+                                                                      "/tmp/unused").runs]
+    cfg = plan.runs[0].config
+    assert cfg.optim.lr > calm.optim.lr and cfg.minibatches > calm.minibatches
+    assert (cfg.task, cfg.model, cfg.rollout) == (calm.task, calm.model, calm.rollout)
+    harsher = plan_sweep(get_experiment("stress"), "/tmp/unused", {"lr": "3e-4", "minibatches": "8"})
+    assert {(r.config.optim.lr, r.config.minibatches) for r in harsher.runs} == {(3e-4, 8)}
 
 
 def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture():

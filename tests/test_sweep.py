@@ -140,7 +140,7 @@ def test_unknown_experiment_lists_the_available_ones():
 
 
 def test_unknown_experiment_argument_lists_the_arguments():
-    with pytest.raises(ConfigError, match="has no argument 'seed'; its arguments: scale='cpu', seeds=3"):
+    with pytest.raises(ConfigError, match="has no argument 'seed'; its arguments: scale='cpu', seeds=5"):
         plan_sweep(get_experiment("objective_comparison"), "/tmp/unused", {"seed": "1"})
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.layers import SwiGLU
+from moe_rl.model.layers import SwiGLU, engine_router_dtype
 
 
 class RouterOutput(NamedTuple):
@@ -37,8 +37,10 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, replay_ids_TK: torch.Tensor | None = None) -> RouterOutput:
         # The router runs in fp32 even under bf16 autocast: top-k on low-precision scores makes ties
         # and flips that would show up as spurious churn.
+        # Inside an emulated bf16 engine (layers.sampler_autocast) the gate runs in bf16 like the engine's would.
+        dtype = engine_router_dtype() or torch.float32
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
         scores_TE = logits_TE.softmax(dim=-1)
         if replay_ids_TK is None:
             ids_TK = scores_TE.topk(self.top_k, dim=-1).indices

@@ -5,7 +5,8 @@
     task.reward(problem, "-4")                       # in [0, 1]; the completion is the answer text (answer.py)
     task.solution(problem)                           # SFT target; the caller appends EOS
 
-Sources: reasoning-gym generators with compact prompts (gym.py) and local JSONL/Parquet files (files.py).
+Sources: reasoning-gym generators with compact prompts (gym.py), our own worked-solution generators with long
+completions (worked.py: running_sum) and local JSONL/Parquet files (files.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from moe_rl.tasks.config import TaskConfig
 from moe_rl.tasks.files import FileTask
 from moe_rl.tasks.gym import GYM_TASKS, GymTask
 from moe_rl.tasks.tokenizer import CharTokenizer, Tokenizer
+from moe_rl.tasks.worked import WORKED_TASKS, RunningSumTask
 
 TOKENIZERS = ("char",)
 
@@ -29,6 +31,9 @@ def build_tokenizer(name: str = "char") -> Tokenizer:
 
 def build_task(cfg: TaskConfig, tokenizer: Tokenizer | None = None) -> Task:
     """The task `cfg` describes. File records are checked against `tokenizer` (default: CharTokenizer)."""
+    if cfg.source == "reasoning_gym" and cfg.name in WORKED_TASKS:
+        return RunningSumTask(cfg.min_terms, cfg.max_terms, cfg.min_digits, cfg.max_digits, seed=cfg.seed,
+                              eval_fraction=cfg.eval_fraction, check_steps=cfg.check_steps)
     if cfg.source == "reasoning_gym":
         return GymTask(cfg.name, cfg.gym_options(), seed=cfg.seed, eval_fraction=cfg.eval_fraction)
     return FileTask(
@@ -39,6 +44,7 @@ def build_task(cfg: TaskConfig, tokenizer: Tokenizer | None = None) -> Task:
 
 
 __all__ = [
-    "GYM_TASKS", "SPLITS", "TOKENIZERS", "CharTokenizer", "FileTask", "GymTask", "Problem", "Task", "TaskConfig",
+    "GYM_TASKS", "SPLITS", "TOKENIZERS", "WORKED_TASKS", "CharTokenizer", "FileTask", "GymTask", "Problem",
+    "RunningSumTask", "Task", "TaskConfig",
     "Tokenizer", "build_task", "build_tokenizer", "parse_answer", "parse_number",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from moe_rl.errors import ConfigError, check_choice, check_positive
 from moe_rl.tasks.answer import MATCHERS
 from moe_rl.tasks.gym import GYM_TASKS
+from moe_rl.tasks.worked import WORKED_TASKS
 
 SOURCES = ("reasoning_gym", "file")
 OPERATORS = "+-*/"
@@ -19,8 +20,10 @@ class TaskConfig:
 
     source: Literal["reasoning_gym", "file"] = "reasoning_gym"
     """Where prompts come from: "reasoning_gym" (procedural generators, offline) or "file" (local JSONL/Parquet)."""
-    name: Literal[GYM_TASKS] = "chain_sum"  # the tuple spells the choices; --help lists them
-    """reasoning-gym dataset (source=reasoning_gym): "basic_arithmetic", "chain_sum" or "countdown"."""
+    name: Literal[GYM_TASKS + WORKED_TASKS] = "chain_sum"  # the tuple spells the choices; --help lists them
+    """Procedural task (source=reasoning_gym): reasoning-gym's "basic_arithmetic", "chain_sum" or "countdown" (short
+    answers), or "running_sum" (worked solutions of 20-80 characters, tasks/worked.py; uses the terms and digits
+    knobs, e.g. 4-6 one-digit terms)."""
     seed: int = 0
     """Data seed (>= 0): fixes every problem of both splits, independently of the training seed."""
     eval_fraction: float = 0.1
@@ -38,6 +41,9 @@ class TaskConfig:
     allow_negation: bool = False
     """chain_sum: allow negative operands. basic_arithmetic: allow negated groups "-(...)" (its operands can be
     negative regardless)."""
+    check_steps: bool = False
+    """running_sum: also require every worked step to be the right one (a process/format component); off = reward
+    for a well-formed chain of the right length whose final answer is correct."""
     operators: str = "+-*/"
     """basic_arithmetic, countdown: the operators to use, a subset of "+-*/" (chain_sum always uses + and -)."""
 
@@ -78,12 +84,14 @@ class TaskConfig:
             self._check_file()
 
     def _check_gym(self) -> None:
-        check_choice("name", self.name, GYM_TASKS)
+        check_choice("name", self.name, GYM_TASKS + WORKED_TASKS)
         for knob in ("terms", "digits", "numbers", "value", "target"):
             lo, hi = getattr(self, f"min_{knob}"), getattr(self, f"max_{knob}")
             check_positive(f"min_{knob}", lo)
             if hi < lo:
                 raise ConfigError(f"max_{knob}={hi} must be >= min_{knob}={lo}")
+        if self.name in WORKED_TASKS and self.min_terms < 2:
+            raise ConfigError(f"min_terms={self.min_terms} must be >= 2 for {self.name}")
         if self.min_numbers < 2:
             raise ConfigError(f"min_numbers={self.min_numbers} must be >= 2")
         if not self.operators or not set(self.operators) <= set(OPERATORS):
