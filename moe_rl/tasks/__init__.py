@@ -33,7 +33,8 @@ def build_task(cfg: TaskConfig, tokenizer: Tokenizer | None = None) -> Task:
     """The task `cfg` describes. File records are checked against `tokenizer` (default: CharTokenizer)."""
     if cfg.source == "reasoning_gym" and cfg.name in WORKED_TASKS:
         return RunningSumTask(cfg.min_terms, cfg.max_terms, cfg.min_digits, cfg.max_digits, seed=cfg.seed,
-                              eval_fraction=cfg.eval_fraction, check_steps=cfg.check_steps)
+                              eval_fraction=cfg.eval_fraction, check_steps=cfg.check_steps,
+                              demo_slip_rate=cfg.demo_slip_rate)
     if cfg.source == "reasoning_gym":
         return GymTask(cfg.name, cfg.gym_options(), seed=cfg.seed, eval_fraction=cfg.eval_fraction)
     return FileTask(

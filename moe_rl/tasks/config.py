@@ -44,6 +44,11 @@ class TaskConfig:
     check_steps: bool = False
     """running_sum: also require every worked step to be the right one (a process/format component); off = reward
     for a well-formed chain of the right length whose final answer is correct."""
+    demo_slip_rate: float = 0.0
+    """running_sum, SFT only: the chance that each step of a demonstration has a result off by 1 or 2, carried into
+    the next steps (a noisy demonstrator). The warm start then makes such slips at about this rate when it samples,
+    while its most likely chain is still right: the mistakes RL can learn to avoid. Rewards and evaluation are never
+    affected; 0 gives the reference solutions."""
     operators: str = "+-*/"
     """basic_arithmetic, countdown: the operators to use, a subset of "+-*/" (chain_sum always uses + and -)."""
 

@@ -52,11 +52,15 @@ def parse_steps(completion: str) -> list[tuple[int, str, int, int]] | None:
     return steps
 
 
-def worked_solution(terms: list[int], ops: list[str]) -> tuple[str, int]:
-    """The reference chain for terms[0] ops[0] terms[1] ... and its final value."""
+def worked_solution(terms: list[int], ops: list[str], slip_rate: float = 0.0,
+                    rng: random.Random | None = None) -> tuple[str, int]:
+    """The chain for terms[0] ops[0] terms[1] ... and its final value. With `slip_rate` > 0 each step's result is,
+    with that probability, off by 1 or 2 (drawn from `rng`) and carried into the next step: a noisy demonstrator."""
     value, steps = terms[0], []
     for op, term in zip(ops, terms[1:]):
         new = value + term if op == "+" else value - term
+        if slip_rate and rng.random() < slip_rate:
+            new += rng.choice((-2, -1, 1, 2))
         steps.append(f"{value}{op}{term}={new}")
         value = new
     return ";".join(steps), value
@@ -66,7 +70,7 @@ class RunningSumTask(Task):
     """"3+4-2+9=" -> "3+4=7;7-2=5;5+9=14": a left-to-right running sum, one worked step per operation."""
 
     def __init__(self, min_terms: int = 4, max_terms: int = 6, min_digits: int = 1, max_digits: int = 1,
-                 seed: int = 0, eval_fraction: float = 0.1, check_steps: bool = False):
+                 seed: int = 0, eval_fraction: float = 0.1, check_steps: bool = False, demo_slip_rate: float = 0.0):
         if min_terms < 2:
             raise ConfigError(f"min_terms={min_terms} must be >= 2 for running_sum (a step needs two terms)")
         if max_terms < min_terms or max_digits < min_digits or min_digits < 1:
@@ -74,7 +78,10 @@ class RunningSumTask(Task):
                               f"terms {min_terms}..{max_terms}, digits {min_digits}..{max_digits}")
         self.name = "running_sum"
         self.terms, self.digits = (min_terms, max_terms), (min_digits, max_digits)
+        if not 0.0 <= demo_slip_rate < 1.0:
+            raise ConfigError(f"demo_slip_rate={demo_slip_rate} must be in [0, 1)")
         self.seed, self.eval_fraction, self.check_steps = seed, eval_fraction, check_steps
+        self.demo_slip_rate = demo_slip_rate
 
     def _draw(self, split: str, item: int) -> tuple[list[int], list[str]]:
         """Generator item `item` of `split`: a pure function of (seed, split, item)."""
@@ -99,7 +106,13 @@ class RunningSumTask(Task):
                           f"eval_fraction={self.eval_fraction}")
 
     def solution(self, problem: Problem) -> str:
-        return problem.meta["solution"]
+        """The SFT demonstration: the reference chain, or with demo_slip_rate > 0 a noisy demonstrator's chain (its
+        slips are a pure function of the task seed and the problem, so every SFT run sees the same data)."""
+        if not self.demo_slip_rate:
+            return problem.meta["solution"]
+        meta = problem.meta
+        rng = random.Random(f"running_sum-demo:{self.seed}:{meta['split']}:{meta['index']}")
+        return worked_solution(meta["terms"], meta["ops"], self.demo_slip_rate, rng)[0]
 
     def reward(self, problem: Problem, completion: str) -> float:
         steps = parse_steps(completion)
