@@ -12,6 +12,7 @@ included; their status is in the tables and diverged runs are marked where they 
     <out>/tables/final_scores.csv          per group and metric: n_runs, n_diverged, mean, iqm, std, ci_low, ci_high
     <out>/tables/layer_churn.csv           per group, probe and layer: churn mean and 95% CI over runs
     <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
+    <out>/tables/learning.csv              per group: held-out reward before/after RL, gain with CI, collapses
     <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
 
     moe-rl report runs/ --out results/churn
@@ -34,17 +35,19 @@ from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn
 from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
-from analysis.report_text import scaling_markdown, skipped_markdown
+from analysis.learning import learning_table
+from analysis.report_text import learning_markdown, scaling_markdown, skipped_markdown
 from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
 
-FINAL_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/set_change",
-                 "routing/update/token_any", "update/kl",
+FINAL_METRICS = ("reward", "eval/reward", "completions/mean_length", "routing/update/churn",
+                 "routing/update/set_change", "routing/update/token_any", "routing/rollout/set_change",
+                 "routing/rollout/token_any", "update/kl",
                  "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")
-CURVE_METRICS = ("reward", "eval/reward", "routing/update/churn", "routing/update/set_change",
+CURVE_METRICS = ("reward", "eval/reward", "completions/mean_length", "routing/update/churn", "routing/update/set_change",
                  "routing/update/token_any", "routing/staleness/churn",
                  "routing/rollout/churn", "update/kl", "clip_ratio/region_mean", "ratio/log_std",
                  "ratio/extreme_frac")
@@ -86,7 +89,7 @@ def report(cfg: ReportConfig) -> Path:
     data.runs = relative_paths(data.runs, out)
     tables = write_tables(data, out / "tables", cfg.last_k)
     figures, skipped = write_figures(data, out / "figures")
-    text = summary_markdown(data, cfg, tables["final_scores"], figures)
+    text = summary_markdown(data, cfg, tables["final_scores"], figures, learning_markdown(tables["learning"]))
     text += scaling_markdown(tables) + skipped_markdown(skipped)
     (out / "README.md").write_text(text, encoding="utf-8")
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
@@ -126,6 +129,7 @@ def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFr
         "final_scores": final_scores(data, FINAL_METRICS, last_k),
         "layer_churn": layer_churn(data.routing) if len(data.routing) else pd.DataFrame(),
         "churn_vs_lr_depth": cells,
+        "learning": learning_table(data, last_k),
         "curves": pd.concat([mean_ci(data.steps, m, x="step").assign(metric=m) for m in CURVE_METRICS
                              if m in data.steps.columns] or [pd.DataFrame()], ignore_index=True),
     }
@@ -192,7 +196,8 @@ def _shared_config(data: RunSet) -> dict:
     return {key: value.item() if hasattr(value, "item") else value for key, value in shared.items()}
 
 
-def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figures: list[str]) -> str:
+def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figures: list[str],
+                     learning: str = "") -> str:
     status = data.runs["status"].value_counts().to_dict()
     varying = [k for k in data.varying() if k != "out_dir"]
     runs = data.runs[["run", "group", "seed", "status", "last_step", "reason", *varying]]
@@ -213,7 +218,7 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         f"groups by {', '.join(f'`{k}`' for k in data.group_by) or 'nothing (one group)'}."
         + (f" Skipped (not RL runs): {', '.join(data.skipped)}." if data.skipped else ""),
         "",
-        "## Final scores",
+        learning + "## Final scores",
         "",
         f"Training metrics: each run's mean over its last {cfg.last_k} rollout steps; held-out metrics (`eval/*`): "
         f"the evaluations after the first of those steps (the policy after training, never the pre-RL step-0 "

@@ -111,3 +111,22 @@ def skipped_markdown(skipped: list[str]) -> str:
         return ""
     return "\n".join(["", "## Panels left out", "", "Panels whose metric is 0 or missing in every run are not drawn:",
                       "", *[f"- {item}" for item in skipped], ""])
+
+
+def learning_markdown(table: pd.DataFrame) -> str:
+    """The report's first question: does held-out reward rise, by how much, and did any run collapse?"""
+    if table.empty:
+        return ""
+    header = ["group", "runs", "held-out before RL", "held-out after RL", "gain [95% CI]", "learns", "collapsed",
+              "diverged"]
+    lines = ["## Does the policy learn?", "",
+             "Held-out reward (`eval/reward`) at step 0 and after training, per group; the gain is each run's final "
+             "minus start, mean and 95% bootstrap CI over runs; `learns` means the CI lies above 0. A run collapsed "
+             "if it diverged or its held-out reward fell below half its start and stayed there to the end "
+             "(analysis/collapse.py).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, row in table.iterrows():
+        lines.append(f"| {row['group']} | {row['n_runs']} | {row['start']:.3f} | {row['final']:.3f} | "
+                     f"{with_ci(row['gain'], row['gain_ci_low'], row['gain_ci_high'])} | "
+                     f"{'yes' if row['learns'] else 'no'} | {row['n_collapsed']} | {row['n_diverged']} |")
+    return "\n".join(lines) + "\n\n"

@@ -40,3 +40,22 @@ def test_count_collapses_per_group():
     table = count_collapses(SimpleNamespace(runs=runs, steps=steps)).set_index("group")
     assert table.loc["grpo", "n_runs"] == 2 and table.loc["grpo", "n_collapsed"] == 1
     assert table.loc["gspo", "n_collapsed"] == 1 and table.loc["gspo", "n_diverged"] == 1
+
+
+def test_learning_table_gain_ci_and_collapses_per_group():
+    from analysis.learning import learning_table
+
+    # group "up": 5 runs that gain 0.2 +- a little; group "down": one collapses, one holds
+    curves = {f"u{i}": [0.4, 0.5, 0.6 + 0.01 * i] for i in range(5)}
+    curves |= {"d0": [0.4, 0.1, 0.1], "d1": [0.4, 0.4, 0.4]}
+    runs = pd.DataFrame({"run": list(curves), "status": "finished",
+                         "group": ["up"] * 5 + ["down"] * 2})
+    rows = [{"run": r, "step": 10 * i, "eval/reward": v, "n_updates": 4 if i < 2 else 0}
+            for r, vs in curves.items() for i, v in enumerate(vs)]
+    # training steps 0 and 10 made updates; the evaluation at step 20 is the one after training
+    table = learning_table(SimpleNamespace(runs=runs, steps=pd.DataFrame(rows), groups=["up", "down"]),
+                           last_k=1).set_index("group")
+    up, down = table.loc["up"], table.loc["down"]
+    assert up["start"] == 0.4 and abs(up["final"] - 0.62) < 1e-9 and abs(up["gain"] - 0.22) < 1e-9
+    assert up["gain_ci_low"] > 0.2 and up["learns"] and up["n_collapsed"] == 0
+    assert abs(down["gain"] - (-0.15)) < 1e-9 and not down["learns"] and down["n_collapsed"] == 1
