@@ -41,7 +41,7 @@ TOKEN_SETS = ("response", "all")
 class ProbeConfig:
     """Which routing probes run, how often, and on which tokens."""
 
-    enabled: tuple[str, ...] = PROBE_NAMES
+    enabled: tuple[Literal[PROBE_NAMES], ...] = PROBE_NAMES  # --help lists the choices
     """Probes to run, any of: update, staleness, replay, rollout, noise. An empty tuple turns all off."""
     every: dict[str, int] = field(default_factory=dict)
     """Cadence per probe, e.g. `update 4`: every 4th optimizer step (update, staleness, replay) or rollout step

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -38,7 +39,7 @@ class SamplingConfig:
     """Softmax temperature (> 0); the policy's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
-    precision: str = "trainer"
+    precision: Literal[SAMPLER_PRECISIONS] = "trainer"  # the tuple spells the choices; --help lists them
     """Sampler numerics: 'trainer' (the trainer's: fp32 on CPU) or 'bf16' (an emulated inference engine: bf16
     autocast with bf16 router logits, so some router decisions differ from the fp32 trainer's; R3 then differs
     from R2). Held-out evaluation samples the same way."""
