@@ -9,7 +9,7 @@ start for the rest of the run, or diverged) and which keep learning.
     moe-rl sweep stress --arg scale=gpu --executor slurm --partition gpu --time 240
 
 CPU (default): the objective_comparison regime (long_regime.py: noisy-demonstrator warm start, held-out 0.383) with
-lr 4e-4 (8x) and 8 minibatches (2x: 7 of 8 updates off-policy), 15 rollout steps, 3 seeds (a cost choice: each
+lr 4e-4 (8x) and 8 minibatches (2x: 7 of 8 updates off-policy), 10 rollout steps, 3 seeds (a cost choice: each
 rollout step pays for 8 updates). Probe runs of GRPO, native routing, bf16 sampler, probes off, one seed, 15 steps
 (`moe-rl train ... --optim.lr <lr> --minibatches 8 --log.eval-every 5`; held-out at steps 0, 5, 10):
     lr 2e-4: 0.383 -> 0.504 -> 0.492, 0.441 at step 15: learns first, then declines; no collapse.
@@ -26,13 +26,13 @@ from moe_rl.sweep.grid import Experiment
 from experiments.long_regime import SAMPLER_PRECISION, knobs, regime_base, regime_warm_start
 from experiments.objective_comparison import methods_grid
 
-CPU_STRESS = dict(lr=4e-4, minibatches=8, steps=15)
+CPU_STRESS = dict(lr=4e-4, minibatches=8, steps=10)
 
 
 def stress(scale: str = "cpu", seeds: int = 3, steps: int = 0, lr: float = 0.0, minibatches: int = 0,
            all_objectives: bool = False, precision: str = SAMPLER_PRECISION) -> Experiment:
     """The five methods in the stress arm; `lr` and `minibatches` 0 take the arm's defaults (cpu lr 4e-4, 8
-    minibatches, 15 steps; gpu 3x the regime's lr, 8 minibatches, the regime's steps)."""
+    minibatches, 10 steps; gpu 3x the regime's lr, 8 minibatches, the regime's steps)."""
     k = knobs(scale)
     arm = CPU_STRESS if scale == "cpu" else dict(lr=3 * k["lr"], minibatches=8, steps=k["steps"])
     base = regime_base(scale, steps=steps or arm["steps"], lr=lr or arm["lr"],
