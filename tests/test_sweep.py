@@ -382,8 +382,11 @@ def test_ctrl_c_stops_the_sweep_and_a_rerun_resumes_the_interrupted_runs(tmp_pat
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     command = [sys.executable, "-m", "moe_rl.cli", "sweep", "smoke", "--arg", "steps=100", "--sweep-dir", "s",
                "--workers", "2"]
+    # SIGINT back to its default in the driver: a shell that starts this suite in the background ignores SIGINT,
+    # and an ignored SIGINT is inherited, so Ctrl-C would never reach the sweep
     driver = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
+                              text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = [tmp_path / "s" / "runs" / name / "checkpoints" / "latest.pt" for name in
              ("obj=grpo,mode=native", "obj=grpo,mode=R2")]
     deadline = time.time() + 120

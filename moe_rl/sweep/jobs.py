@@ -170,7 +170,7 @@ def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> floa
     log_path = record_path(sweep_dir, kind, name, ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # The worker must import the same moe_rl as this process, whatever its working directory and install.
-    code_root = str(Path(__file__).resolve().parents[1])
+    code_root = str(Path(__file__).resolve().parents[2])  # the folder holding moe_rl/ (this is moe_rl/sweep/)
     python_path = os.pathsep.join(p for p in (code_root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
     command = [sys.executable, "-m", "moe_rl.sweep.jobs", str(sweep_dir), kind, name, "--threads", str(threads)]
