@@ -11,7 +11,7 @@ import torch
 
 from conftest import TINY_MODEL, metric_lines, tiny_train_config
 from moe_rl.runs.checkpoint import load_latest
-from moe_rl.config import OptimConfig, RolloutConfig, TrainConfig
+from moe_rl.config import OptimConfig, RolloutConfig
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
