@@ -87,3 +87,23 @@ def test_bad_knobs_are_refused():
         TaskConfig(name="running_sum", min_terms=1)
     with pytest.raises(ConfigError, match="running_sum"):
         RunningSumTask(min_terms=3, max_terms=2)
+
+
+def test_a_noisy_demonstrator_slips_at_its_rate_and_never_touches_rewards():
+    clean = RunningSumTask(min_terms=4, max_terms=6)
+    noisy = RunningSumTask(min_terms=4, max_terms=6, demo_slip_rate=0.15)
+    problems = noisy.problems("train", 0, 1000)
+    demos = [noisy.solution(p) for p in problems]
+    assert demos == [noisy.solution(p) for p in problems]  # deterministic per problem
+    wrong = [p for p, d in zip(problems, demos) if noisy.reward(p, d) == 0.0]
+    # each of the 3-5 steps slips with probability 0.15: about 1 - 0.85^4 = 0.48 of demonstrations end wrong
+    assert 0.38 < len(wrong) / len(problems) < 0.55
+    for p, d in zip(problems, demos):
+        steps = parse_steps(d)
+        assert steps is not None and len(steps) == len(p.meta["ops"])  # well-formed chains, only results slip
+        assert all(0 < abs(r - (a + t if op == "+" else a - t)) <= 2 or r == (a + t if op == "+" else a - t)
+                   for a, op, t, r in steps)
+        assert clean.reward(p, p.meta["solution"]) == noisy.reward(p, p.meta["solution"]) == 1.0
+    assert [clean.solution(p) for p in problems] == [p.meta["solution"] for p in problems]
+    with pytest.raises(ConfigError, match="demo_slip_rate"):
+        RunningSumTask(demo_slip_rate=1.0)
