@@ -30,7 +30,9 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4"
 TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
          "--rollout.sampling.max-new-tokens", "6", "--log.eval-prompts", "4", "--log.samples-every", "1"]
 SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "6"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+# A dependency's SyntaxWarnings, printed when its bytecode is not cached yet, are not our output.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+       "PYTHONWARNINGS": "ignore::SyntaxWarning"}
 
 
 def moe_rl(*args, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:
