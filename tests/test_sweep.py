@@ -222,6 +222,23 @@ def test_a_failing_run_does_not_stop_the_others_and_a_rerun_retries_only_it(tmp_
     assert len(metric_lines(run_dirs[2])) == 2 * 4
 
 
+def test_a_free_worker_takes_warm_starts_then_ready_runs_costliest_first():
+    from moe_rl.sweep.jobs import Job, _next_job
+
+    small, big = Job("warmstart", "L2", None, 10.0), Job("warmstart", "L8", None, 40.0)
+    on_small, on_big = Job("run", "a", "L2", 5.0), Job("run", "b", "L8", 9.0)
+    no_warm, cheap = Job("run", "c", None, 1.0), Job("run", "d", "L2", 2.0)
+    waiting, unfinished = [small, on_small, big, on_big, no_warm, cheap], {"L2", "L8"}
+    picked = []
+    for ended in (None, None, None, "L2", None):  # warm start L2 ends after the third pick
+        unfinished.discard(ended)
+        job = _next_job(waiting, unfinished)
+        waiting.remove(job)
+        picked.append(job.name)
+    assert picked == ["L8", "L2", "c", "a", "d"]  # warm starts first, the costlier first; then runs that can start
+    assert _next_job(waiting, {"L8"}) is None and _next_job(waiting, set()) is on_big  # b waits for L8 only
+
+
 def test_a_run_that_dies_before_its_manifest_is_failed_with_the_jobs_reason(tmp_path):
     import torch
 

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,8 +126,12 @@ def cpu_count() -> int:
 
 def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
               echo: Callable[[str], None] = print) -> pd.DataFrame:
-    """Run the sweep here: warm starts first, then the runs, `workers` at a time, each in its own subprocess with
-    max(1, cores // workers) torch threads. Returns the index."""
+    """Run the sweep here, `workers` jobs at a time, each in its own subprocess with max(1, cores // workers) torch
+    threads. Returns the index.
+
+    Order: a free worker takes a waiting warm start if there is one, else a run whose warm start has ended, so runs
+    of a finished architecture start while other warm starts still train; among those it takes the costliest first
+    (`job_cost`), so the long jobs do not end up alone at the end of the sweep."""
     if workers < 1:
         raise ConfigError(f"workers={workers} must be >= 1")
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -136,28 +140,65 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
         if retry_diverged:
             clear_diverged(plan)
         keys, names = todo(plan)
-        threads = max(1, cpu_count() // workers)
-        _pool(plan.sweep_dir, [("warmstart", k) for k in keys], workers, threads, echo)
-        _pool(plan.sweep_dir, [("run", n) for n in names], workers, threads, echo)
+        runs = {run.name: run for run in plan.runs}
+        jobs = [Job("warmstart", key, None, job_cost(plan.warmstarts[key])) for key in keys]
+        jobs += [Job("run", name, runs[name].warmstart, job_cost(runs[name].config)) for name in names]
+        _pool(plan.sweep_dir, jobs, workers, max(1, cpu_count() // workers), echo)
         return write_index(plan.sweep_dir)
 
 
-def _pool(sweep_dir: Path, jobs: list[tuple[str, str]], workers: int, threads: int, echo) -> None:
+@dataclasses.dataclass(frozen=True)
+class Job:
+    kind: str
+    """"warmstart" or "run"."""
+    name: str
+    """The warm start's key or the run's name."""
+    needs: str | None
+    """The key of the warm start a run starts from (it waits until that warm start has ended), or None."""
+    cost: float
+    """A proxy of its compute (job_cost), to start the costliest ready job first."""
+
+
+def job_cost(cfg: TrainConfig | SFTConfig) -> float:
+    """A proxy of a job's compute, for ordering only: layers x optimizer steps x sequences per step (an RL run's
+    rollout steps count once per minibatch update)."""
+    layers = cfg.model.n_layers
+    if isinstance(cfg, SFTConfig):
+        return float(layers * cfg.steps * cfg.batch_size)
+    return float(layers * cfg.total_steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+
+
+def _next_job(waiting: list[Job], unfinished_warmstarts: set[str]) -> Job | None:
+    """The job a free worker takes: warm starts before runs, the costliest first, runs only once their warm start
+    has ended (its success is checked by the run itself: a failed warm start fails its runs with a reason)."""
+    ready = [j for j in waiting if j.kind == "warmstart" or j.needs not in unfinished_warmstarts]
+    return min(ready, key=lambda j: (j.kind != "warmstart", -j.cost), default=None)
+
+
+def _pool(sweep_dir: Path, jobs: list[Job], workers: int, threads: int, echo) -> None:
     if not jobs:
         return
     width, t0 = len(str(len(jobs))), time.perf_counter()
+    waiting, running, done = list(jobs), {}, 0
+    unfinished_warmstarts = {j.name for j in jobs if j.kind == "warmstart"}
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        futures = {pool.submit(_subprocess_job, sweep_dir, kind, name, threads): (kind, name) for kind, name in jobs}
-        for done, future in enumerate(as_completed(futures), start=1):
-            kind, name = futures[future]
-            seconds = future.result()
-            run_dir = sweep_dir / (WARMSTART if kind == "warmstart" else RUNS) / name
-            status, reason = job_status(sweep_dir, kind, name, run_dir)
-            label = f"warm start {name}" if kind == "warmstart" else name
-            eta = (time.perf_counter() - t0) / done * (len(jobs) - done)  # the pool's pace so far, workers included
-            echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s, ETA {duration(eta)})"
-                 + (f"  {reason}" if reason and status != "finished" else ""))
+        while waiting or running:
+            while len(running) < workers and (job := _next_job(waiting, unfinished_warmstarts)) is not None:
+                waiting.remove(job)
+                running[pool.submit(_subprocess_job, sweep_dir, job.kind, job.name, threads)] = job
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                seconds, done = future.result(), done + 1
+                if job.kind == "warmstart":
+                    unfinished_warmstarts.discard(job.name)
+                run_dir = sweep_dir / (WARMSTART if job.kind == "warmstart" else RUNS) / job.name
+                status, reason = job_status(sweep_dir, job.kind, job.name, run_dir)
+                label = f"warm start {job.name}" if job.kind == "warmstart" else job.name
+                eta = (time.perf_counter() - t0) / done * (len(jobs) - done)  # the pace so far, workers included
+                echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s, ETA {duration(eta)})"
+                     + (f"  {reason}" if reason and status != "finished" else ""))
     except BaseException:
         # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
         pool.shutdown(wait=True, cancel_futures=True)
