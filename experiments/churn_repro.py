@@ -38,40 +38,58 @@ from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment, Point, axis, product, union
 
-from experiments.common import rl_base, warm_start
+from experiments.long_regime import regime_base, regime_warm_start
 
 # Swept values per scale: (default grid, full=true grid).
-LRS = {"cpu": ((1e-4, 3e-4), (3e-5, 1e-4, 3e-4)), "gpu": ((1e-6, 1e-5, 1e-4), (1e-6, 3e-6, 1e-5, 3e-5, 1e-4))}
-LAYERS = {"cpu": ((2, 4), (2, 4, 8)), "gpu": ((12, 24, 48), (12, 24, 48))}
+LRS = {"cpu": ((5e-5, 1.5e-4), (5e-5, 1.5e-4, 4e-4)), "gpu": ((1e-6, 1e-5, 1e-4), (1e-6, 3e-6, 1e-5, 3e-5, 1e-4))}
+LAYERS = {"cpu": ((4, 8), (2, 4, 8)), "gpu": ((12, 24, 48), (12, 24, 48))}
 EXPERTS = {"cpu": (("8/2", "64/8"), ("8/2", "32/4", "64/8")), "gpu": (("64/8", "128/8"), ("64/8", "128/8"))}
-STEPS = {"cpu": 30, "gpu": 100}
+STEPS = {"cpu": 20, "gpu": 100}
 # The paper-shaped depth arm: the GSPO paper's 48 MoE blocks, 128 experts, top-8, at a width CPUs can train.
 PAPER_MODEL = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8, "model.d_model": 64,
                "model.d_expert": 32}
-PAPER_LRS = {"cpu": (1e-4, 3e-4), "gpu": (1e-5, 1e-4)}
+PAPER_LRS = {"cpu": (5e-5, 1.5e-4), "gpu": (1e-5, 1e-4)}
 
 
 def regime(scale: str, steps: int) -> tuple[TrainConfig, SFTConfig]:
     """The learning regime every cell starts from: the RL run (task, model width, batch, evaluation) and its SFT
-    warm start. Change the task or warm start here, in one place."""
-    return rl_base(scale, total_steps=steps), warm_start(scale)
+    warm start: the long-completion regime of experiments/long_regime.py (running sums with worked solutions, a
+    noisy-demonstrator warm start, an emulated bf16 sampler). Change the task or warm start here, in one place."""
+    return regime_base(scale, steps=steps), regime_warm_start(scale)
 
 
-def _moe(entries: tuple[str, ...]) -> list[Point]:
+def _moe(entries: tuple[str, ...], active_width: int) -> list[Point]:
+    """One point per "E/K" entry, each expert d_expert = active_width // K wide, so every (E, K) has the same
+    active expert width per token (K * d_expert) and the cells differ in how finely it is split, as Qwen3-MoE's
+    128 narrow experts differ from Mixtral's 8 wide ones, not in compute."""
     points = []
     for entry in entries:
         try:
             experts, top_k = (int(v) for v in entry.split("/"))
         except ValueError:
             raise ConfigError(f"experts={entry!r}: write each entry as E/K, e.g. 8/2,64/8") from None
-        points.append({"model.n_experts": experts, "model.top_k": top_k})
+        if top_k < 1 or active_width % top_k:
+            raise ConfigError(f"experts={entry!r}: top-k must divide the active expert width {active_width}")
+        points.append({"model.n_experts": experts, "model.top_k": top_k, "model.d_expert": active_width // top_k})
     return points
+
+
+def _architectures(layers: tuple[int, ...], moe: list[Point], full: bool) -> list[Point]:
+    """Every depth x (E, K) with `full`; otherwise an L-shaped grid: every depth at the last (finest) (E, K), and
+    every (E, K) at the first depth. The depth arm and the granularity arm share their corner cell, and the grid
+    costs the sum of the two arms instead of their product."""
+    depths = axis("model.n_layers", layers)
+    if full:
+        return product(depths, moe)
+    return union(product(depths, moe[-1:]), product(depths[:1], moe))
 
 
 def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[float, ...] = (),
                 layers: tuple[int, ...] = (), experts: tuple[str, ...] = (), full: bool = False,
                 paper: bool = False, paper_lrs: tuple[float, ...] = ()) -> Experiment:
-    """Update churn over lr x depth x (experts, top-k) x seeds; `experts` entries read "E/K" (e.g. 8/2,64/8).
+    """Update churn over lr x architecture x seeds; `experts` entries read "E/K" (e.g. 8/2,64/8), each at the same
+    active expert width (see _moe). The architectures are the L-shaped grid of _architectures (every depth at the
+    last E/K entry, every E/K entry at the first depth), or every depth x E/K with `full`.
 
     Empty values take the scale's defaults (LRS, LAYERS, EXPERTS, STEPS), the larger grid with `full`. `paper`
     adds the paper-shaped arm (PAPER_MODEL at `paper_lrs`, default PAPER_LRS) with the same seeds."""
@@ -81,8 +99,9 @@ def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[f
         raise ConfigError(f"seeds={seeds}: need at least 1 (3 or more for a confidence interval)")
     pick = 1 if full else 0
     base, warm = regime(scale, steps or STEPS[scale])
-    grid = product(axis("optim.lr", lrs or LRS[scale][pick]), axis("model.n_layers", layers or LAYERS[scale][pick]),
-                   _moe(experts or EXPERTS[scale][pick]))
+    active_width = base.model.top_k * base.model.d_expert
+    moe = _moe(experts or EXPERTS[scale][pick], active_width)
+    grid = product(axis("optim.lr", lrs or LRS[scale][pick]), _architectures(layers or LAYERS[scale][pick], moe, full))
     if paper:
         grid = union(grid, product(axis("optim.lr", paper_lrs or PAPER_LRS[scale]), [PAPER_MODEL]))
     labels = {"model.d_model": "d", "model.d_expert": "dexp"}

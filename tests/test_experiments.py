@@ -86,19 +86,23 @@ def test_stress_is_the_comparison_at_a_higher_lr_and_more_minibatches():
 def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture():
     plan = plan_sweep(get_experiment("churn_repro"), "/tmp/unused")
     swept = plan.swept()
-    assert swept["optim.lr"] == [1e-4, 3e-4] and swept["model.n_layers"] == [2, 4]
-    assert len(plan.runs) == 3 * 2 * 2 * 2  # seeds x lr x depth x (E, K)
+    assert swept["optim.lr"] == [5e-5, 1.5e-4] and swept["model.n_layers"] == [4, 8]
     cells = {}
     for run in plan.runs:
         c = run.config
         cells.setdefault((c.optim.lr, c.model.n_layers, c.model.n_experts, c.model.top_k), []).append(c.seed)
-    assert all(sorted(seeds) == [0, 1, 2] for seeds in cells.values()) and len(cells) == 8
-    assert {(e, k) for _, _, e, k in cells} == {(8, 2), (64, 8)}  # includes top-8 of 64
-    assert all(r.config.total_steps == 30 and r.config.objective.name == "grpo" for r in plan.runs)
+    assert all(sorted(seeds) == [0, 1, 2] for seeds in cells.values())
+    # L-shaped: every depth at 64/8 (top-8 of 64), every (E, K) at depth 4; no 8-block 8/2 cell
+    assert {(layers, e, k) for _, layers, e, k in cells} == {(4, 8, 2), (4, 64, 8), (8, 64, 8)}
+    assert len(plan.runs) == 3 * 2 * 3  # seeds x lr x architectures
+    assert all(r.config.model.top_k * r.config.model.d_expert == 256 for r in plan.runs)  # same active width
+    assert all(r.config.total_steps == 20 and r.config.objective.name == "grpo" for r in plan.runs)
     assert all(r.config.routing_mode == "native" and r.config.log.eval_every > 0 for r in plan.runs)
+    assert all(r.config.task.name == "running_sum" for r in plan.runs)
     assert all("update" in r.config.probes.enabled for r in plan.runs)  # the churn probe
+    assert all(w.task.demo_slip_rate > 0 for w in plan.warmstarts.values())  # the noisy demonstrator
     architectures = {(r.config.model.n_layers, r.config.model.n_experts, r.config.model.top_k) for r in plan.runs}
-    assert len(architectures) == len(plan.warmstarts) == 4
+    assert len(architectures) == len(plan.warmstarts) == 3
     by_arch = {}
     for run in plan.runs:
         key = (run.config.model.n_layers, run.config.model.n_experts, run.config.model.top_k)
@@ -107,16 +111,18 @@ def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture
     full = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"full": "true", "paper": "true"})
     paper = [r for r in full.runs if r.config.model.n_layers == 48]
     assert len(full.runs) == 3 * 3 * 3 * 3 + 3 * 2
-    assert len(paper) == 6 and {r.config.optim.lr for r in paper} == {1e-4, 3e-4}
+    assert len(paper) == 6 and {r.config.optim.lr for r in paper} == {5e-5, 1.5e-4}
     m = paper[0].config.model
     assert (m.n_experts, m.top_k, m.d_model, m.d_expert) == (128, 8, 64, 32)
 
     sliced = plan_sweep(get_experiment("churn_repro"), "/tmp/unused",
                         {"lrs": "1e-4,3e-4", "layers": "4", "experts": "16/4", "seeds": "1"})
-    assert [r.name for r in sliced.runs] == ["lr=1e-4,layers=4,experts=16,topk=4,seed=0",
-                                             "lr=3e-4,layers=4,experts=16,topk=4,seed=0"]
+    assert [r.name for r in sliced.runs] == ["lr=1e-4,layers=4,experts=16,topk=4,dexp=64,seed=0",
+                                             "lr=3e-4,layers=4,experts=16,topk=4,dexp=64,seed=0"]
     with pytest.raises(ConfigError, match="experts='16-4'"):
         plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16-4"})
+    with pytest.raises(ConfigError, match="experts='16/3'.*256"):
+        plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16/3"})
 
 
 def test_ablations_change_one_knob_at_a_time():
