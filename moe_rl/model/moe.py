@@ -77,25 +77,32 @@ def sort_slots(ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
 
 # Padded batched matmuls win while groups are tiny (many experts, decode steps): one bmm replaces a loop of E small
 # matmuls. They lose once padding adds more work than the loop's per-expert overhead saves.
-# Measured (one CPU thread, d64, interleaved minima): padded beats grouped_mm only for decode-sized calls with many
-# experts and near-balanced routing (E128 K8, 64 tokens: 0.58 vs 0.76 ms); with skewed routing or larger groups the
-# padding costs more than the loop it replaces (up to 10x at E128 with a hot expert).
+# The rule is a cost model: padding pays for E * C rows where the loop computes N rows plus a fixed per-expert cost
+# (CPU _grouped_mm issues two small matmuls and reads each group's offsets per expert), worth about
+# PADDED_EXPERT_OVERHEAD_MACS multiply-adds. Measured (one CPU thread, E128 K8 d64 F32, 64 tokens, interleaved
+# medians): grouped_mm 0.81 ms against padded 0.43 ms at C=8, 0.54 ms at C=12, 0.68 at C=16, 0.79 at C=20, so the
+# break-even is near C = N/E + 16 rows of d64 F32 (6,144 multiply-adds each). At d256 F256 a row costs 32x more and
+# the allowance vanishes: only near-perfect balance pads. With a hot expert (C in the hundreds) the loop wins.
 PADDED_MAX_MEAN_GROUP = 8  # mean slots per expert at or below which padding is considered
-PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N
+PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N that are always acceptable
+PADDED_EXPERT_OVERHEAD_MACS = 100_000  # per-expert cost of the grouped loop, in multiply-adds
 
 
 def choose_kernel(device: torch.device, counts_E: torch.Tensor, n_slots: int,
-                  aligned: bool = True) -> tuple[str, int]:
+                  aligned: bool = True, row_macs: int | None = None) -> tuple[str, int]:
     """('padded', capacity C) or ('grouped_mm', 0) for this call. CUDA takes grouped_mm (a real grouped kernel, and
     no host sync) unless the widths break its 16-byte alignment (`aligned`: D and F multiples of 8), where the
-    padded bmm has no such constraint. On CPU the choice needs the largest group, one host read per layer."""
+    padded bmm has no such constraint. On CPU the choice needs the largest group, one host read per layer;
+    `row_macs` (D * 3F, the multiply-adds of one slot) prices the loop's per-expert overhead in padded rows."""
     E = counts_E.numel()
     if device.type == "cuda" and not aligned:
         return "padded", int(counts_E.max())
     if device.type == "cuda" or n_slots > PADDED_MAX_MEAN_GROUP * E:
         return "grouped_mm", 0
     capacity = int(counts_E.max())
-    if E * capacity > PADDED_MAX_WASTE * max(n_slots, 1):
+    overhead_rows = PADDED_EXPERT_OVERHEAD_MACS // row_macs if row_macs else 0
+    affordable_rows = max(PADDED_MAX_WASTE * max(n_slots, 1), n_slots + E * overhead_rows)
+    if E * capacity > affordable_rows:
         return "grouped_mm", 0
     return "padded", capacity
 
@@ -122,8 +129,10 @@ class Experts(nn.Module):
         slots = sort_slots(ids_TK, self.n_experts)
         kernel, capacity = self.dispatch, 0
         if kernel == "grouped":
-            aligned = self.w_down.shape[1] % 8 == 0 and self.w_down.shape[2] % 8 == 0  # F and D
-            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned)
+            _, d_expert, d_model = self.w_down.shape
+            aligned = d_expert % 8 == 0 and d_model % 8 == 0
+            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned,
+                                             row_macs=3 * d_model * d_expert)
         elif kernel == "padded":
             capacity = int(slots.counts_E.max())
         if kernel == "padded":
