@@ -39,7 +39,10 @@ class Router(nn.Module):
         # and flips that would show up as spurious churn.
         # Inside an emulated bf16 engine (layers.sampler_autocast) the gate runs in bf16 like the engine's would.
         dtype = engine_router_dtype() or torch.float32
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        if torch.is_autocast_enabled(x_TD.device.type):
+            with torch.autocast(device_type=x_TD.device.type, enabled=False):
+                logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
+        else:  # the common fp32 CPU case, without entering a context per layer and step
             logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
         scores_TE = logits_TE.softmax(dim=-1)
         if replay_ids_TK is None:
