@@ -152,9 +152,16 @@ class Experts(nn.Module):
         gate_up_N2F = torch._grouped_mm(x_ND, self.w_gate_up.to(dtype), offs=group_ends_E)
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         hidden_NF = F.silu(gate_NF) * up_NF
-        y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
         gate_weight_N = weights_TK.reshape(-1).index_select(0, slots.order_N)
-        y_ND = y_ND.float() * gate_weight_N[:, None]
+        d_expert, d_model = self.w_down.shape[1:]
+        if dtype == torch.float32 and d_expert < d_model:
+            # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
+            # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
+            hidden_NF = hidden_NF * gate_weight_N[:, None]
+            y_ND = torch._grouped_mm(hidden_NF, self.w_down, offs=group_ends_E)
+        else:  # low precision: the gate weight is applied in fp32 after the matmul
+            y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
+            y_ND = y_ND.float() * gate_weight_N[:, None]
         out_TD = torch.zeros(T, x_TD.shape[1], device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_slot_N, y_ND).to(x_TD.dtype)
 
@@ -172,8 +179,11 @@ class Experts(nn.Module):
         x_ECD = x_padded_TD.index_select(0, token_of_row_R).to(dtype).view(E, C, D)
         gate_ECF, up_ECF = torch.bmm(x_ECD, self.w_gate_up.to(dtype)).chunk(2, dim=-1)
         hidden_ECF = F.silu(gate_ECF) * up_ECF
-        y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
-        y_RD = y_RD.float() * weight_R[:, None]
+        if dtype == torch.float32 and hidden_ECF.shape[-1] < D:  # the gate weight on the narrower side (_grouped_mm)
+            y_RD = torch.bmm(hidden_ECF * weight_R.view(E, C, 1), self.w_down).view(E * C, D)
+        else:
+            y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
+            y_RD = y_RD.float() * weight_R[:, None]
         out_TD = torch.zeros(T + 1, D, device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_row_R, y_RD)[:T].to(x_TD.dtype)
 
