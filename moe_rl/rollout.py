@@ -123,7 +123,6 @@ def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs_BV).scatter(1, order_BV, sorted_BV)
 
 
-@torch.no_grad()
 def generate(
     model,
     prompt_ids_BP: torch.Tensor,
@@ -137,6 +136,17 @@ def generate(
 ) -> Generation:
     """Sample one completion per prompt row. `use_cache=False` recomputes the prefix every step
     (the reference the KV cache is checked and benchmarked against)."""
+    # inference_mode skips autograd's version counters and view tracking on every op of the decode loop (cheaper
+    # than no_grad). Its tensors may not enter autograd later (the trainer's embedding saves the token ids), so the
+    # few outputs are cloned into ordinary tensors on the way out.
+    with torch.inference_mode():
+        gen = _generate(model, prompt_ids_BP, prompt_valid_BP, cfg, eos_id, pad_id, generator, record, use_cache)
+    routing = RoutingTrace(gen.routing.ids_LBSK.clone()) if gen.routing is not None else None
+    return Generation(gen.tokens_BS.clone(), gen.valid_BS.clone(), gen.prompt_len, gen.logprobs_BN.clone(), routing)
+
+
+def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id: int, pad_id: int,
+              generator, record: bool, use_cache: bool) -> Generation:
     ids_BP, valid_BP = left_align(prompt_ids_BP, prompt_valid_BP.bool())
     B, P = ids_BP.shape
     cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None

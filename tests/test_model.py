@@ -106,6 +106,14 @@ def test_grouped_dispatch_picks_the_kernel_by_shape():
     skewed[0] = 400
     skewed[1:] = 1
     assert choose_kernel(cpu, skewed, 527) == ("grouped_mm", 0)  # one hot expert: padding would be 97% waste
+    # With the widths known, the loop's per-expert overhead buys padding: at d64 F32 (6,144 multiply-adds a row)
+    # C = 20 for 512 slots of 128 experts still pads (measured faster), at d256 F256 the same routing does not.
+    busy = balanced_small.clone()
+    busy[0] = 20
+    assert choose_kernel(cpu, busy, 528) == ("grouped_mm", 0)
+    assert choose_kernel(cpu, busy, 528, row_macs=3 * 64 * 32) == ("padded", 20)
+    assert choose_kernel(cpu, busy, 528, row_macs=3 * 256 * 256) == ("grouped_mm", 0)
+    assert choose_kernel(cpu, skewed, 527, row_macs=3 * 64 * 32) == ("grouped_mm", 0)
     assert choose_kernel(torch.device("cuda"), balanced_small, 512) == ("grouped_mm", 0)
     # bf16 grouped_mm on CUDA needs 16-byte aligned rows; odd widths take the padded bmm instead
     assert choose_kernel(torch.device("cuda"), balanced_small, 512, aligned=False) == ("padded", 4)

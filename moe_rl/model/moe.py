@@ -39,7 +39,10 @@ class Router(nn.Module):
         # and flips that would show up as spurious churn.
         # Inside an emulated bf16 engine (layers.sampler_autocast) the gate runs in bf16 like the engine's would.
         dtype = engine_router_dtype() or torch.float32
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        if torch.is_autocast_enabled(x_TD.device.type):
+            with torch.autocast(device_type=x_TD.device.type, enabled=False):
+                logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
+        else:  # the common fp32 CPU case, without entering a context per layer and step
             logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
         scores_TE = logits_TE.softmax(dim=-1)
         if replay_ids_TK is None:
@@ -61,6 +64,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def gather_rows(x_TD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """x_TD[index_N]. Without autograd through x, the embedding kernel copies the rows (about 3x faster than
+    index_select on CPU at 8k rows of 64, the same values); with it, index_select, whose backward is cheaper."""
+    if x_TD.requires_grad and torch.is_grad_enabled():
+        return x_TD.index_select(0, index_N)
+    return F.embedding(index_N, x_TD)
+
+
 class SlotLayout(NamedTuple):
     """Token-slots sorted by expert (stable, so each expert sees its tokens in token order)."""
 
@@ -77,25 +88,32 @@ def sort_slots(ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
 
 # Padded batched matmuls win while groups are tiny (many experts, decode steps): one bmm replaces a loop of E small
 # matmuls. They lose once padding adds more work than the loop's per-expert overhead saves.
-# Measured (one CPU thread, d64, interleaved minima): padded beats grouped_mm only for decode-sized calls with many
-# experts and near-balanced routing (E128 K8, 64 tokens: 0.58 vs 0.76 ms); with skewed routing or larger groups the
-# padding costs more than the loop it replaces (up to 10x at E128 with a hot expert).
+# The rule is a cost model: padding pays for E * C rows where the loop computes N rows plus a fixed per-expert cost
+# (CPU _grouped_mm issues two small matmuls and reads each group's offsets per expert), worth about
+# PADDED_EXPERT_OVERHEAD_MACS multiply-adds. Measured (one CPU thread, E128 K8 d64 F32, 64 tokens, interleaved
+# medians): grouped_mm 0.81 ms against padded 0.43 ms at C=8, 0.54 ms at C=12, 0.68 at C=16, 0.79 at C=20, so the
+# break-even is near C = N/E + 16 rows of d64 F32 (6,144 multiply-adds each). At d256 F256 a row costs 32x more and
+# the allowance vanishes: only near-perfect balance pads. With a hot expert (C in the hundreds) the loop wins.
 PADDED_MAX_MEAN_GROUP = 8  # mean slots per expert at or below which padding is considered
-PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N
+PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N that are always acceptable
+PADDED_EXPERT_OVERHEAD_MACS = 100_000  # per-expert cost of the grouped loop, in multiply-adds
 
 
 def choose_kernel(device: torch.device, counts_E: torch.Tensor, n_slots: int,
-                  aligned: bool = True) -> tuple[str, int]:
+                  aligned: bool = True, row_macs: int | None = None) -> tuple[str, int]:
     """('padded', capacity C) or ('grouped_mm', 0) for this call. CUDA takes grouped_mm (a real grouped kernel, and
     no host sync) unless the widths break its 16-byte alignment (`aligned`: D and F multiples of 8), where the
-    padded bmm has no such constraint. On CPU the choice needs the largest group, one host read per layer."""
+    padded bmm has no such constraint. On CPU the choice needs the largest group, one host read per layer;
+    `row_macs` (D * 3F, the multiply-adds of one slot) prices the loop's per-expert overhead in padded rows."""
     E = counts_E.numel()
     if device.type == "cuda" and not aligned:
         return "padded", int(counts_E.max())
     if device.type == "cuda" or n_slots > PADDED_MAX_MEAN_GROUP * E:
         return "grouped_mm", 0
     capacity = int(counts_E.max())
-    if E * capacity > PADDED_MAX_WASTE * max(n_slots, 1):
+    overhead_rows = PADDED_EXPERT_OVERHEAD_MACS // row_macs if row_macs else 0
+    affordable_rows = max(PADDED_MAX_WASTE * max(n_slots, 1), n_slots + E * overhead_rows)
+    if E * capacity > affordable_rows:
         return "grouped_mm", 0
     return "padded", capacity
 
@@ -122,8 +140,10 @@ class Experts(nn.Module):
         slots = sort_slots(ids_TK, self.n_experts)
         kernel, capacity = self.dispatch, 0
         if kernel == "grouped":
-            aligned = self.w_down.shape[1] % 8 == 0 and self.w_down.shape[2] % 8 == 0  # F and D
-            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned)
+            _, d_expert, d_model = self.w_down.shape
+            aligned = d_expert % 8 == 0 and d_model % 8 == 0
+            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned,
+                                             row_macs=3 * d_model * d_expert)
         elif kernel == "padded":
             capacity = int(slots.counts_E.max())
         if kernel == "padded":
@@ -136,13 +156,20 @@ class Experts(nn.Module):
         dtype = _compute_dtype(x_TD)
         group_ends_E = slots.counts_E.cumsum(0).to(torch.int32)
         token_of_slot_N = slots.order_N // K
-        x_ND = x_TD.index_select(0, token_of_slot_N).to(dtype)
+        x_ND = gather_rows(x_TD, token_of_slot_N).to(dtype)
         gate_up_N2F = torch._grouped_mm(x_ND, self.w_gate_up.to(dtype), offs=group_ends_E)
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         hidden_NF = F.silu(gate_NF) * up_NF
-        y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
         gate_weight_N = weights_TK.reshape(-1).index_select(0, slots.order_N)
-        y_ND = y_ND.float() * gate_weight_N[:, None]
+        d_expert, d_model = self.w_down.shape[1:]
+        if dtype == torch.float32 and d_expert < d_model:
+            # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
+            # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
+            hidden_NF = hidden_NF * gate_weight_N[:, None]
+            y_ND = torch._grouped_mm(hidden_NF, self.w_down, offs=group_ends_E)
+        else:  # low precision: the gate weight is applied in fp32 after the matmul
+            y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
+            y_ND = y_ND.float() * gate_weight_N[:, None]
         out_TD = torch.zeros(T, x_TD.shape[1], device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_slot_N, y_ND).to(x_TD.dtype)
 
@@ -157,11 +184,14 @@ class Experts(nn.Module):
         token_of_row_R = token_of_row_R.index_copy(0, rows_N, slots.order_N // K)
         weight_R = weights_TK.new_zeros(E * C).index_copy(0, rows_N, weights_TK.reshape(-1)[slots.order_N])
         x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, D)])
-        x_ECD = x_padded_TD.index_select(0, token_of_row_R).to(dtype).view(E, C, D)
+        x_ECD = gather_rows(x_padded_TD, token_of_row_R).to(dtype).view(E, C, D)
         gate_ECF, up_ECF = torch.bmm(x_ECD, self.w_gate_up.to(dtype)).chunk(2, dim=-1)
         hidden_ECF = F.silu(gate_ECF) * up_ECF
-        y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
-        y_RD = y_RD.float() * weight_R[:, None]
+        if dtype == torch.float32 and hidden_ECF.shape[-1] < D:  # the gate weight on the narrower side (_grouped_mm)
+            y_RD = torch.bmm(hidden_ECF * weight_R.view(E, C, 1), self.w_down).view(E * C, D)
+        else:
+            y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
+            y_RD = y_RD.float() * weight_R[:, None]
         out_TD = torch.zeros(T + 1, D, device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_row_R, y_RD)[:T].to(x_TD.dtype)
 
