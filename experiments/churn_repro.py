@@ -11,25 +11,32 @@ set change (`routing/update/set_change`, the share of (token, layer) decisions w
 tabulates the held-out reward before and after RL per cell, so that "where RL learns" is read off the runs.
 GRPO with native routing (the setting the paper measured), warm started per architecture.
 
-The task, model width, warm start and RL settings come from `regime()`: the one place to change when the learning
-regime changes (Science 1's long-completion task).
+The task, model width, warm start and RL settings come from `regime()`: the long-completion regime of
+experiments/long_regime.py (running sums with worked solutions of about 28 tokens; a warm start of 800 SFT steps on
+a noisy demonstrator; 64 prompts x 8 completions per rollout step, 4 minibatches, 10 warmup updates; held-out
+reward on 256 prompts every 5 steps; an emulated bf16 sampler). Every (E, K) has the same active expert width
+(K x d_expert = 256 at CPU scale), so the cells differ in granularity, not in compute per token.
 
-    moe-rl sweep churn_repro --workers 2                          # CPU: 3 seeds x 2 lr x 2 depths x 2 (E, K) = 24 runs
+    moe-rl sweep churn_repro --workers 2                          # CPU: 3 seeds x 2 lr x 3 architectures = 18 runs
     moe-rl sweep churn_repro --arg full=true --workers 2          # 3 seeds x 3 lr x 3 depths x 3 (E, K) = 81 runs
     moe-rl sweep churn_repro --arg paper=true --workers 2         # + 48 MoE blocks, 128 experts, top-8, width 64/32
     moe-rl sweep churn_repro --arg lrs=1e-4,3e-4 layers=4 experts=64/8 seeds=5   # a slice
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --time 120
 
-CPU (default): 24 runs x 30 rollout steps (120 updates each) plus 4 warm starts (300 SFT steps each). Measured
-on the current regime (chain_sum, the default tiny model) on a 2-core machine shared with five other jobs, with
---workers 2: runs of 4 blocks took 97-165 s each and warm starts 93-130 s (a 4-run, 2-warm-start slice: 399 s),
-so the default grid takes about 25 minutes there and less on an idle machine; a longer-completion regime makes
-each step slower, so re-time the grid (and lower `steps`) when `regime()` changes, to keep `make reproduce` under
-30 minutes. `full=true` (81 runs, 9 warm starts) is about 3-4 times the default. `paper=true` adds 3 seeds x 2
-lrs of a 48-block, 128-expert model: about 30 s per rollout step and 3.5 s per SFT step on the same machine (3
-steps: 125 s; 10 SFT steps: 46 s), so about an hour for the arm with --workers 2. GPU (`scale="gpu"`): 64 experts
-top-8 | 128 experts top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs:
-results/churn_repro/README.md, made by `make reproduce`.
+CPU (default): lr 5e-5 and 1.5e-4 x the L-shaped architecture grid {4 blocks 8/2, 4 blocks 64/8, 8 blocks 64/8}
+x 3 seeds = 18 runs of 20 rollout steps (80 updates each), plus 3 warm starts. Why this grid: depth 2 does not
+learn here (one seed each at lr 1.5e-4, 20 steps: held-out 0.301 -> 0.297 at 8/2 and 0.332 -> 0.312 at 64/8),
+while depths 4 and 8 do (0.398 -> 0.590, 0.383 -> 0.656, 0.375 -> 0.582); the full depth x (E, K) product with
+depth 8 did not fit 30 minutes. Timed with --workers 2 on a 2-core machine while another CPU-heavy job ran (so
+slower than idle): warm starts 156 s (4 blocks 8/2), 218 s (4 blocks 64/8) and 494 s (8 blocks); runs of 20 steps
+107, 168 and 213 s. `make reproduce` measures the whole (results/README.md). The lrs: 5e-5 is the regime's
+(objective_comparison: +0.26 held-out in 30 steps); 1.5e-4 still learns (above) and moves the policy about 3x as far
+per update; 4e-4 (full=true; and the stress experiment) loses reward. `full=true` (81 runs, 9 warm starts) costs
+several times the default. `paper=true` adds 3 seeds x 2 lrs of a 48-block, 128-expert model: about 30 s per
+rollout step at 16 x 8 short answers and 3.5 s per SFT step on a shared machine, so several hours at this regime's
+64 x 8 long completions and 800 warm-start steps: a GPU arm. GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
+top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made
+by `make reproduce`.
 """
 
 from __future__ import annotations
