@@ -19,7 +19,7 @@ COLUMNS = ["group", "n_runs", "start", "final", "gain", "gain_ci_low", "gain_ci_
 
 def learning_table(data: RunSet, last_k: int, metric: str = METRIC) -> pd.DataFrame:
     """One row per group. start: each run's pre-RL evaluation (step 0); final: its evaluation after training
-    (`run_finals`); gain: final - start per run, mean and 95% bootstrap CI over runs; learns: the CI lies above 0
+    (`run_finals`); gain: final - start per run, mean and 95% CI over runs (Student t); learns: the CI lies above 0
     (never with one run). n_collapsed / n_diverged: analysis.collapse's counts."""
     if metric not in data.steps.columns:
         return pd.DataFrame(columns=COLUMNS)

@@ -1,6 +1,6 @@
 """Panels that the report's figures share: labelled axes, seed-mean curves with CI bands, per-layer churn.
 
-A curve is the mean over a group's runs with a 95% bootstrap band over seeds (analysis.aggregate.mean_ci). Noisy
+A curve is the mean over a group's runs with a 95% CI band over seeds (Student t; analysis.aggregate.mean_ci). Noisy
 per-step series are first smoothed per run by a centred rolling mean (SMOOTH: 5 rollout steps, 20 optimizer
 steps; held-out evaluations, which are sparse, are not smoothed), and the panel says so. Two groups whose curves
 coincide (R2 and R3 on CPU) are drawn so both stay visible (the later one dashed, with large hollow markers, on
@@ -134,7 +134,7 @@ def smooth(frame: pd.DataFrame, metric: str, x: str) -> tuple[pd.DataFrame, int]
 
 def draw_curves(ax: Axes, data: RunSet, looks: Looks, frame: pd.DataFrame, metric: str, x: str,
                 log: bool = False) -> None:
-    """Mean over each group's runs (smoothed per run, see `smooth`) with a 95% bootstrap band over seeds;
+    """Mean over each group's runs (smoothed per run, see `smooth`) with a 95% CI band over seeds (Student t);
     diverged runs marked where they stopped; coinciding groups drawn distinguishably and named."""
     smoothed, window = smooth(frame, metric, x)
     summary = mean_ci(smoothed, metric, x=x)

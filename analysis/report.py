@@ -2,7 +2,7 @@
 
 Runs are found by their config.json and manifest.json (searched recursively; SFT runs are skipped) and grouped by
 the config fields that vary across them, seeds and bookkeeping excluded, unless --group-by names the fields.
-Curves are means over a group's runs with 95% bootstrap bands; final scores average each run's last --last-k
+Curves are means over a group's runs with 95% CI bands (Student t over seeds); final scores average each run's last --last-k
 rollout steps, then summarise over runs (mean, interquartile mean, CI). Running, killed and diverged runs are
 included; their status is in the tables and diverged runs are marked where they stopped.
 
@@ -222,7 +222,7 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         f"Training metrics: each run's mean over its last {cfg.last_k} rollout steps; held-out metrics (`eval/*`): "
         f"the evaluations after the first of those steps (the policy after training, never the pre-RL step-0 "
-        "evaluation). Then mean, interquartile mean (IQM) and 95% percentile-bootstrap CI over the runs of a group "
+        "evaluation). Then mean, interquartile mean (IQM) and 95% CI of the mean over the runs of a group (Student t) "
         "(no CI from a single run). Diverged runs count with the steps they reached. Churn is shown in both "
         "readings: `routing/update/churn` is slot churn (share of a token's K experts that change per update), "
         "`routing/update/set_change` the share of (token, layer) decisions whose top-K set changed, "

@@ -45,7 +45,7 @@ def cells_markdown(cells: pd.DataFrame) -> str:
         lines.append("| " + " | ".join(values) + " |")
     legend = "; ".join(f"{READING_LABELS[k]}: {READING_HELP[k]}" for k in READING_HELP)
     return "\n".join(["", "## Cells: churn in both readings, policy change and learning", "",
-                      f"Per cell, mean over its runs (seeds) and [95% bootstrap CI]; each run's churn is its mean over "
+                      f"Per cell, mean over its runs (seeds) and [95% CI, Student t over seeds]; each run's churn is its mean over "
                       f"its updates, its KL the median over them. {legend}. `learns`: the CI of the held-out gain "
                       "(after minus before RL) lies above 0 (never with one seed).", "", *lines, ""])
 
@@ -121,7 +121,7 @@ def learning_markdown(table: pd.DataFrame) -> str:
               "diverged"]
     lines = ["## Does the policy learn?", "",
              "Held-out reward (`eval/reward`) at step 0 and after training, per group; the gain is each run's final "
-             "minus start, mean and 95% bootstrap CI over runs; `learns` means the CI lies above 0. A run collapsed "
+             "minus start, mean and 95% CI over runs (Student t); `learns` means the CI lies above 0. A run collapsed "
              "if it diverged or its held-out reward fell below half its start and stayed there to the end "
              "(analysis/collapse.py).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
