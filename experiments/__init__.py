@@ -4,9 +4,9 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | name                   | the question it answers                                                 | CPU default      |
 |------------------------|-------------------------------------------------------------------------|------------------|
 | `smoke`                | does the sweep path work end to end (tests, CI)                         | 4 runs, ~30 s    |
-| `churn_repro`          | update churn (both readings) vs lr, depth, experts, top-k, 3 seeds      | 24 runs, <30 min |
+| `churn_repro`          | update churn (both readings) vs lr, depth, experts, top-k, 3 seeds      | 18 runs, 25 min  |
 | `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 where GRPO learns (long completions)   | 25 runs, see doc |
-| `stress`               | the same methods at 4x lr and 8 minibatches: who collapses              | 25 runs, see doc |
+| `stress`               | the same methods at 8x lr and 8 minibatches: who collapses              | 15 runs, see doc |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
