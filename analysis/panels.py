@@ -148,8 +148,10 @@ def draw_curves(ax: Axes, data: RunSet, looks: Looks, frame: pd.DataFrame, metri
         curve = summary[summary["group"] == group]
         twin = next((g for g, c in drawn.items() if _same_curve(c, curve, x, COINCIDE * span)), None) if span else None
         look = looks[group]
+        # Markers on every curve (about 8 per line): groups that differ only in the marker's key (e.g. E/K at one lr
+        # and depth) share colour and line style and would otherwise be told apart by their level alone.
         ax.plot(curve[x], curve["mean"], color=look.color, linestyle="--" if twin else look.linestyle,
-                marker=look.marker if (twin or len(curve) < 12) else None, markevery=max(1, len(curve) // 8),
+                marker=look.marker, markevery=max(1, len(curve) // 8),
                 zorder=3 if twin else 2, label=group, mfc="none" if twin else look.color,
                 markersize=6 if twin else None)
         ax.fill_between(curve[x], curve["ci_low"], curve["ci_high"], color=look.color, alpha=0.2, linewidth=0)
