@@ -160,8 +160,8 @@ class Job:
 
 
 def job_cost(cfg: TrainConfig | SFTConfig) -> float:
-    """A proxy of a job's compute, for ordering only: layers x optimizer steps x sequences per step (an RL run's
-    rollout steps count once per minibatch update)."""
+    """A proxy of a job's compute, for ordering only: layers x steps x sequences per step (SFT: optimizer steps x
+    batch size; RL: rollout steps x completions per rollout step)."""
     layers = cfg.model.n_layers
     if isinstance(cfg, SFTConfig):
         return float(layers * cfg.steps * cfg.batch_size)
