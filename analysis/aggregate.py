@@ -114,15 +114,27 @@ def _group_order(runs: pd.DataFrame, keys: list[str]) -> list[str]:
 # Intervals
 
 
-def bootstrap_ci(values, *, confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES,
-                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean of the finite `values` (see the module docstring for n <= 1)."""
+def _finite(values) -> np.ndarray:
     x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
+    return x[np.isfinite(x)]
+
+
+def _degenerate_interval(x: np.ndarray) -> tuple[float, float] | None:
+    """The module's small-sample conventions: (NaN, NaN) for fewer than 2 values, (v, v) for identical ones; None
+    when there is a spread to build an interval from."""
     if len(x) < 2:
         return float("nan"), float("nan")
     if np.ptp(x) == 0:
         return float(x[0]), float(x[0])
+    return None
+
+
+def bootstrap_ci(values, *, confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES,
+                 seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of the finite `values` (see the module docstring for n <= 1)."""
+    x = _finite(values)
+    if (degenerate := _degenerate_interval(x)) is not None:
+        return degenerate
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", stats.DegenerateDataWarning)
         result = stats.bootstrap((x,), np.mean, n_resamples=n_resamples, confidence_level=confidence,
@@ -133,27 +145,22 @@ def bootstrap_ci(values, *, confidence: float = CONFIDENCE, n_resamples: int = N
 def t_ci(values, *, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Student-t CI of the mean of the finite `values`: mean +- t((1 + confidence) / 2, n - 1) * s / sqrt(n), s the
     sample standard deviation (see the module docstring for n <= 1 and identical values)."""
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    if len(x) < 2:
-        return float("nan"), float("nan")
-    if np.ptp(x) == 0:
-        return float(x[0]), float(x[0])
+    x = _finite(values)
+    if (degenerate := _degenerate_interval(x)) is not None:
+        return degenerate
     half_width = stats.t.ppf((1 + confidence) / 2, df=len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
     return float(x.mean() - half_width), float(x.mean() + half_width)
 
 
 def iqm(values) -> float:
     """Interquartile mean of the finite values: the mean of the middle 50% (robust to one outlying seed)."""
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
+    x = _finite(values)
     return float(stats.trim_mean(x, 0.25)) if len(x) else float("nan")
 
 
 def summarize(values) -> dict[str, float]:
     """n, mean, ci_low, ci_high of the finite values."""
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
+    x = _finite(values)
     low, high = t_ci(x)
     return {"n": len(x), "mean": float(x.mean()) if len(x) else float("nan"), "ci_low": low, "ci_high": high}
 
