@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
+from moe_rl.model.grouped_gemm import grouped_mm
 from moe_rl.model.layers import SwiGLU, engine_router_dtype
 
 
@@ -157,7 +158,7 @@ class Experts(nn.Module):
         group_ends_E = slots.counts_E.cumsum(0).to(torch.int32)
         token_of_slot_N = slots.order_N // K
         x_ND = gather_rows(x_TD, token_of_slot_N).to(dtype)
-        gate_up_N2F = torch._grouped_mm(x_ND, self.w_gate_up.to(dtype), offs=group_ends_E)
+        gate_up_N2F = grouped_mm(x_ND, self.w_gate_up.to(dtype), slots.counts_E, group_ends_E)
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         hidden_NF = F.silu(gate_NF) * up_NF
         gate_weight_N = weights_TK.reshape(-1).index_select(0, slots.order_N)
@@ -166,9 +167,9 @@ class Experts(nn.Module):
             # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
             # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
             hidden_NF = hidden_NF * gate_weight_N[:, None]
-            y_ND = torch._grouped_mm(hidden_NF, self.w_down, offs=group_ends_E)
+            y_ND = grouped_mm(hidden_NF, self.w_down, slots.counts_E, group_ends_E)
         else:  # low precision: the gate weight is applied in fp32 after the matmul
-            y_ND = torch._grouped_mm(hidden_NF, self.w_down.to(dtype), offs=group_ends_E)
+            y_ND = grouped_mm(hidden_NF, self.w_down.to(dtype), slots.counts_E, group_ends_E)
             y_ND = y_ND.float() * gate_weight_N[:, None]
         out_TD = torch.zeros(T, x_TD.shape[1], device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_slot_N, y_ND).to(x_TD.dtype)
