@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from moe_rl.model import MoETransformer
-from moe_rl.model.grouped_gemm import MKL_MIN_EXPERTS, grouped_mm, mkl_available
+from moe_rl.model.grouped_gemm import MKL_MIN_EXPERTS, exact_min_block_rows, grouped_mm, mkl_available
 
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
 
@@ -66,3 +66,39 @@ def test_many_expert_passes_without_grad_equal_the_training_forward_and_the_loop
     logits_grad = model(ids).logits_BSV
     assert torch.equal(logits_no_grad, logits_grad.detach())
     torch.testing.assert_close(logits_no_grad, logits_loop, rtol=1e-5, atol=1e-5)
+
+
+def _experts_and_routing(n_experts: int, top_k: int, tokens: int, hot_share: float):
+    """Experts with tokens routed so that groups range from empty to large: a share `hot_share` of the tokens goes to
+    expert 0 (the padded kernel's capacity C), the rest spread thinly (groups of 0-3 slots)."""
+    from moe_rl.model.moe import Experts
+
+    experts = Experts(n_experts, 32, 16, "padded")
+    torch.nn.init.normal_(experts.w_gate_up, std=0.2)
+    torch.nn.init.normal_(experts.w_down, std=0.2)
+    scores_TE = torch.randn(tokens, n_experts).softmax(-1)
+    scores_TE[: int(hot_share * tokens), 0] += 1.0
+    ids_TK = scores_TE.topk(top_k, dim=-1).indices
+    return experts, torch.randn(tokens, 32), scores_TE.gather(-1, ids_TK), ids_TK
+
+
+@needs_mkl
+@pytest.mark.parametrize("tokens, hot_share", [(16, 0.0), (64, 0.0), (64, 0.5), (200, 0.2), (3, 0.0)])
+def test_padded_kernel_in_short_blocks_gives_the_numbers_of_full_blocks(tokens, hot_share):
+    experts, x_TD, weights_TK, ids_TK = _experts_and_routing(128, 4, tokens, hot_share)
+    with torch.no_grad():  # short blocks: max(n_e, m0) rows per expert
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=128)
+        capacity = int(counts_E.max())
+        min_rows = max(exact_min_block_rows(32, 32, capacity), exact_min_block_rows(16, 32, capacity))
+        assert (experts._short_blocks(x_TD, counts_E, capacity, torch.float32) is not None) == (min_rows < capacity)
+        short = experts(x_TD, weights_TK, ids_TK)
+    full = experts(x_TD, weights_TK, ids_TK)  # with autograd: torch.bmm over (E, C, D) blocks
+    assert torch.equal(short, full.detach())
+
+
+@needs_mkl
+def test_short_blocks_serve_the_model_widths():
+    """Blocks shorter than the largest group are exact at the widths the bench and study models use (else the padded
+    kernel would silently keep all its padding)."""
+    for d_in, d_out in [(64, 64), (32, 64), (64, 128), (128, 64), (256, 512), (512, 256)]:
+        assert exact_min_block_rows(d_in, d_out, capacity=32) < 32, (d_in, d_out)

@@ -64,16 +64,24 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad)
     if needs_grad or w_EDF.shape[0] < MKL_MIN_EXPERTS or not _serves(x_ND, w_EDF):
         return torch._grouped_mm(x_ND, w_EDF, offs=group_ends_E)
-    return _rows_times_weights(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
+    return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
 
 
 def _serves(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:
     return (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and w_EDF.dtype == torch.float32
-            and 0 < x_ND.numel() < _MAX_MKL_INT and w_EDF.numel() < _MAX_MKL_INT and mkl_available())
+            and 0 < x_ND.numel() < _MAX_MKL_INT and w_EDF.numel() < _MAX_MKL_INT and single_threaded_mkl())
 
 
-def _rows_times_weights(x_ND, w_EDF, counts_E):
-    """Per expert, (n_e, D) @ (D, F) into the rows of y_NF: each expert is its own group of one product."""
+def single_threaded_mkl() -> bool:
+    """MKL is there and torch runs one thread (the default of every CPU run here). With more threads torch's matmul
+    splits one product across threads while the batch call gives each product one thread: the sums would be
+    grouped differently, so the batch call would no longer give torch's numbers."""
+    return torch.get_num_threads() == 1 and mkl_available()
+
+
+def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Per expert, (n_e, D) @ (D, F) into the rows of y_NF, each expert its own group of one product, in one MKL call.
+    Contiguous fp32 CPU tensors, no autograd; `mkl_available()` must be true."""
     E, D, F = w_EDF.shape
     if int(counts_E.sum()) != x_ND.shape[0]:  # MKL would read and write past the ends of x and y
         raise ValueError(f"group sizes sum to {int(counts_E.sum())}, but x has {x_ND.shape[0]} rows")
@@ -108,3 +116,34 @@ def _constant(n_experts: int, value: int | float) -> torch.Tensor:
     beta, group size): int32 (MKL's LP64 integers) or float32."""
     dtype = torch.float32 if isinstance(value, float) else torch.int32
     return torch.full((n_experts,), value, dtype=dtype)
+
+
+def exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:
+    """The smallest m0 such that, on this machine, every row of an m-row block product (m0 <= m <= capacity, one MKL
+    batch call) equals the same row of torch.bmm over capacity-row blocks; None where MKL cannot serve.
+
+    Why it exists: matrix kernels pick their inner kernel by the number of rows, and MKL rounds a block of 1-3 rows
+    differently from a longer one (measured at every width used here; torch's own kernel takes over for the tiniest
+    products). The padded expert kernel multiplies blocks of C rows (the largest group) with torch.bmm; an expert's
+    real rows come out the same from a shorter block of at least m0 rows, so the padded kernel's numbers can be
+    computed without most of its padding (moe.Experts._padded). Found by trying, once per shape."""
+    if not single_threaded_mkl():
+        return None
+    with torch.no_grad():
+        return _exact_min_block_rows(d_in, d_out, capacity)
+
+
+@functools.cache
+def _exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:
+    # Only called at one thread (single_threaded_mkl), so the answer does not depend on the thread count.
+    generator = torch.Generator().manual_seed(0)
+    x_2CD = torch.randn(2, capacity, d_in, generator=generator)
+    w_2DF = torch.randn(2, d_in, d_out, generator=generator)
+    reference_CF = torch.bmm(x_2CD, w_2DF)[0]  # a batch of two, as the padded kernel's bmm is a batched call
+    min_rows = None
+    for rows in range(capacity, 0, -1):
+        block_RF = mkl_grouped_mm(x_2CD[0, :rows].contiguous(), w_2DF[:1].contiguous(), torch.tensor([rows]))
+        if not torch.equal(block_RF, reference_CF[:rows]):
+            break
+        min_rows = rows
+    return min_rows

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.grouped_gemm import grouped_mm
+from moe_rl.model.grouped_gemm import exact_min_block_rows, grouped_mm, mkl_grouped_mm
 from moe_rl.model.layers import SwiGLU, engine_router_dtype
 
 
@@ -175,33 +175,60 @@ class Experts(nn.Module):
         return out_TD.index_add(0, token_of_slot_N, y_ND).to(x_TD.dtype)
 
     def _padded(self, x_TD, weights_TK, slots: SlotLayout, capacity: int):
-        """Two batched matmuls over an (E, C, D) buffer: row e * C + r holds expert e's r-th slot. Padding rows
-        read a zero row (index T) and add into a row that is dropped, so they change no output and no gradient."""
+        """Two batched matmuls over a buffer of per-expert row blocks: expert e's r-th slot sits in row
+        block_start_e + r. Padding rows read a zero row (index T) and add into a row that is dropped, so they change
+        no output and no gradient. The blocks hold C rows (the largest group; torch.bmm over an (E, C, D) view),
+        or, in passes without autograd where MKL gives the very same numbers from shorter blocks (`_short_blocks`),
+        max(n_e, m0) rows each (one MKL batch call): a decode step at 128 experts then multiplies about a third of
+        the rows."""
         T, K = weights_TK.shape
-        E, C, D = self.n_experts, capacity, x_TD.shape[1]
+        E, D = self.n_experts, x_TD.shape[1]
         dtype = _compute_dtype(x_TD)
-        rows_N = self._buffer_rows(slots, C)
-        token_of_row_R = torch.full((E * C,), T, device=x_TD.device, dtype=torch.long)
+        block_rows_E = self._short_blocks(x_TD, slots.counts_E, capacity, dtype)
+        uniform = block_rows_E is None
+        block_starts_E = (torch.arange(E, device=x_TD.device) * capacity if uniform
+                          else block_rows_E.cumsum(0) - block_rows_E)
+        n_rows = E * capacity if uniform else int(block_rows_E.sum())
+        rows_N = self._buffer_rows(slots, block_starts_E)
+        token_of_row_R = torch.full((n_rows,), T, device=x_TD.device, dtype=torch.long)
         token_of_row_R = token_of_row_R.index_copy(0, rows_N, slots.order_N // K)
-        weight_R = weights_TK.new_zeros(E * C).index_copy(0, rows_N, weights_TK.reshape(-1)[slots.order_N])
+        weight_R = weights_TK.new_zeros(n_rows).index_copy(0, rows_N, weights_TK.reshape(-1)[slots.order_N])
         x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, D)])
-        x_ECD = gather_rows(x_padded_TD, token_of_row_R).to(dtype).view(E, C, D)
-        gate_ECF, up_ECF = torch.bmm(x_ECD, self.w_gate_up.to(dtype)).chunk(2, dim=-1)
-        hidden_ECF = F.silu(gate_ECF) * up_ECF
-        if dtype == torch.float32 and hidden_ECF.shape[-1] < D:  # the gate weight on the narrower side (_grouped_mm)
-            y_RD = torch.bmm(hidden_ECF * weight_R.view(E, C, 1), self.w_down).view(E * C, D)
+        x_RD = gather_rows(x_padded_TD, token_of_row_R).to(dtype)
+
+        def blocks_times(w_EDF, a_RD):
+            if uniform:
+                return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
+            return mkl_grouped_mm(a_RD, w_EDF, block_rows_E)
+
+        gate_RF, up_RF = blocks_times(self.w_gate_up.to(dtype), x_RD).chunk(2, dim=-1)
+        hidden_RF = F.silu(gate_RF) * up_RF
+        if dtype == torch.float32 and hidden_RF.shape[-1] < D:  # the gate weight on the narrower side (_grouped_mm)
+            y_RD = blocks_times(self.w_down, hidden_RF * weight_R[:, None])
         else:
-            y_RD = torch.bmm(hidden_ECF, self.w_down.to(dtype)).view(E * C, D)
-            y_RD = y_RD.float() * weight_R[:, None]
+            y_RD = blocks_times(self.w_down.to(dtype), hidden_RF).float() * weight_R[:, None]
         out_TD = torch.zeros(T + 1, D, device=x_TD.device, dtype=torch.float32)
         return out_TD.index_add(0, token_of_row_R, y_RD)[:T].to(x_TD.dtype)
 
+    def _short_blocks(self, x_TD, counts_E, capacity: int, dtype) -> torch.Tensor | None:
+        """Rows per expert block, max(n_e, m0), where shorter blocks give the C-row blocks' numbers exactly (see
+        grouped_gemm.exact_min_block_rows); None where they might not or cannot (autograd, GPU, other dtypes, more
+        than one thread, C below m0)."""
+        if torch.is_grad_enabled() or x_TD.device.type != "cpu" or dtype != torch.float32:
+            return None
+        d_expert, d_model = self.w_down.shape[1:]
+        exact_rows = [exact_min_block_rows(d_model, 2 * d_expert, capacity),
+                      exact_min_block_rows(d_expert, d_model, capacity)]
+        if None in exact_rows or max(exact_rows) >= capacity:
+            return None
+        return counts_E.clamp(min=max(exact_rows))
+
     @staticmethod
-    def _buffer_rows(slots: SlotLayout, capacity: int) -> torch.Tensor:
-        """Buffer row of each sorted slot: expert * C + its rank within the expert's group."""
+    def _buffer_rows(slots: SlotLayout, block_starts_E: torch.Tensor) -> torch.Tensor:
+        """Buffer row of each sorted slot: its expert's block start + its rank within the expert's group."""
         starts_E = slots.counts_E.cumsum(0) - slots.counts_E
         rank_N = torch.arange(slots.ids_N.numel(), device=slots.ids_N.device) - starts_E[slots.ids_N]
-        return slots.ids_N * capacity + rank_N
+        return block_starts_E[slots.ids_N] + rank_N
 
     def _loop(self, x_TD, weights_TK, ids_TK):
         """Reference path: one plain matmul chain per expert that received tokens."""
