@@ -1,4 +1,4 @@
-"""The MKL batch path of the experts' grouped matmul: the same numbers as torch._grouped_mm, used only where it serves."""
+"""The MKL batch path of the experts' grouped matmul: the same numbers and gradients as torch._grouped_mm."""
 
 import pytest
 import torch
@@ -35,12 +35,21 @@ def test_batch_call_fills_rows_of_a_single_busy_expert():
         assert torch.equal(grouped_mm(x_ND, w_EDF, counts_E, ends_E), x_ND @ w_EDF[5])
 
 
-def test_training_keeps_torch_kernel_and_its_backward():
-    counts_E = torch.full((MKL_MIN_EXPERTS,), 3)
-    x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
-    w_EDF.requires_grad_()
-    y_NF = grouped_mm(x_ND, w_EDF, counts_E, ends_E)
-    assert "GroupedMm" in type(y_NF.grad_fn).__name__
+@needs_mkl
+@pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64), (64, 32), (256, 512)])
+def test_batch_calls_give_torch_grouped_mm_gradients_at_every_group_size(d_in, d_out):
+    counts_E = torch.arange(130)[torch.randperm(130)]  # includes the one-slot expert (a matrix-vector product)
+    x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
+    upstream_NF = torch.randn(x_ND.shape[0], d_out)
+    grads = []
+    for product in (lambda x, w: grouped_mm(x, w, counts_E, ends_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+        y = product(x, w)
+        y.backward(upstream_NF)
+        grads.append((y.detach(), x.grad, w.grad))
+    assert "MKLGroupedMM" in type(grouped_mm(x, w, counts_E, ends_E).grad_fn).__name__
+    for ours, torchs, name in zip(grads[0], grads[1], ("output", "input grad", "weight grad")):
+        assert torch.equal(ours, torchs), name
 
 
 @needs_mkl

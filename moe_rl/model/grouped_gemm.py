@@ -7,10 +7,10 @@ Why: torch._grouped_mm on CPU loops over the experts and issues one matrix produ
 handful of slots each (decode steps, minibatches at the paper's routing shape), the per-product overhead costs more
 than the arithmetic. torch's x86 CPU wheels link MKL, whose `cblas_sgemm_batch` multiplies every (rows, weight) pair
 of a grouped product in one call. It runs the same sgemm kernels as torch's matmul, so the products are the same
-numbers bit for bit (tests/test_grouped_gemm.py checks every group size from 0 to 129 against torch._grouped_mm):
-switching kernels changes no sampled token and no logged value.
+numbers bit for bit, forward and backward (tests/test_grouped_gemm.py checks every group size from 0 to 129
+against torch._grouped_mm and its autograd): switching kernels changes no sampled token, gradient or logged value.
 
-Where MKL is absent (other CPU builds), on CUDA, in other dtypes and wherever autograd is on, `grouped_mm` is
+Where MKL is absent (other CPU builds), on CUDA, in other dtypes and at more than one thread, `grouped_mm` is
 torch._grouped_mm.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-_ROW_MAJOR, _NO_TRANS = 101, 111  # CBLAS enum values
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 _FLOAT_BYTES = 4
 _MAX_MKL_INT = 2**31 - 1  # the LP64 interface takes 32-bit sizes and strides
 
@@ -48,22 +48,21 @@ def mkl_available() -> bool:
 
 
 # Below this many experts the loop's per-expert overhead is small and the batch call's set-up (a few small tensor ops)
-# costs more than it saves. Measured forward, one CPU thread, D=64 F=64, interleaved medians: E=128 saves 120-150 us
-# per call at 128-2,048 slots and is even at 8,192; E=64 saves 50 us up to 2,048 slots; E=32 gains nothing; E=8 and
-# E=16 (d256) lose 15-30 us.
+# costs more than it saves. Measured, one CPU thread, interleaved medians: at E=128, D=64, F=64 the forward saves
+# 120-150 us per call at 128-2,048 slots and is even at 8,192, and forward+backward is 4-29% faster (8,192 to 1,024
+# slots); at E=64 the forward saves 50 us up to 2,048 slots; at E=32 nothing; at E=8 and E=16 (d256) it loses 15-30 us.
 MKL_MIN_EXPERTS = 64
 
 
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
                group_ends_E: torch.Tensor) -> torch.Tensor:
-    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm(x, w, offs=group_ends_E).
-
-    Passes without autograd (sampling, the old-policy pass, probes) at many experts go through one MKL batch call
-    (the same values). Training keeps torch._grouped_mm and its backward: there the batch call's weight-gradient
-    product was no faster, and the input gradient of a one-slot expert rounds differently in it."""
-    needs_grad = torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad)
-    if needs_grad or w_EDF.shape[0] < MKL_MIN_EXPERTS or not _serves(x_ND, w_EDF):
+    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm(x, w, offs=group_ends_E),
+    with the same values and gradients; at MKL_MIN_EXPERTS experts or more on one CPU thread, through MKL batch calls
+    (forward, and the two products of the backward)."""
+    if w_EDF.shape[0] < MKL_MIN_EXPERTS or not _serves(x_ND, w_EDF):
         return torch._grouped_mm(x_ND, w_EDF, offs=group_ends_E)
+    if torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad):
+        return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E)
     return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
 
 
@@ -79,24 +78,82 @@ def single_threaded_mkl() -> bool:
     return torch.get_num_threads() == 1 and mkl_available()
 
 
+class _MKLGroupedMM(torch.autograd.Function):
+    """The grouped product with autograd: the backward's two grouped products as MKL batch calls."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_EDF, counts_E):
+        x_ND, w_EDF = x_ND.contiguous(), w_EDF.contiguous()
+        ctx.save_for_backward(x_ND, w_EDF, counts_E)
+        return mkl_grouped_mm(x_ND, w_EDF, counts_E)
+
+    @staticmethod
+    def backward(ctx, grad_NF):
+        x_ND, w_EDF, counts_E = ctx.saved_tensors
+        grad_NF = grad_NF.contiguous()
+        grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E) if ctx.needs_input_grad[0] else None
+        grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E) if ctx.needs_input_grad[1] else None
+        return grad_x_ND, grad_w_EDF, None
+
+
 def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Per expert, (n_e, D) @ (D, F) into the rows of y_NF, each expert its own group of one product, in one MKL call.
-    Contiguous fp32 CPU tensors, no autograd; `mkl_available()` must be true."""
+    """Per expert, (n_e, D) @ (D, F) into the rows of y_NF, in one MKL call. Contiguous fp32 CPU tensors, no
+    autograd; `mkl_available()` must be true."""
     E, D, F = w_EDF.shape
-    if int(counts_E.sum()) != x_ND.shape[0]:  # MKL would read and write past the ends of x and y
-        raise ValueError(f"group sizes sum to {int(counts_E.sum())}, but x has {x_ND.shape[0]} rows")
+    _check_rows(counts_E, x_ND)
     y_NF = x_ND.new_empty(x_ND.shape[0], F)
     starts_E = counts_E.cumsum(0) - counts_E
-    m_E = counts_E.to(torch.int32)
-    a_E = _row_pointers(x_ND, starts_E)
-    b_E = _expert_offsets(E, D * F * _FLOAT_BYTES) + w_EDF.data_ptr()
-    c_E = _row_pointers(y_NF, starts_E)
-    no_trans, n, k, one, zero = (_constant(E, v) for v in (_NO_TRANS, F, D, 1.0, 0.0))
-    # layout, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, group count, group sizes
-    _sgemm_batch()(_ROW_MAJOR, no_trans.data_ptr(), no_trans.data_ptr(), m_E.data_ptr(), n.data_ptr(), k.data_ptr(),
-                   one.data_ptr(), a_E.data_ptr(), k.data_ptr(), b_E.data_ptr(), n.data_ptr(), zero.data_ptr(),
-                   c_E.data_ptr(), n.data_ptr(), E, _constant(E, 1).data_ptr())
+    _batch(_NO_TRANS, _NO_TRANS, m=counts_E, n=F, k=D, a_E=_row_pointers(x_ND, starts_E), lda=D,
+           b_E=_matrix_pointers(w_EDF), ldb=F, c_E=_row_pointers(y_NF, starts_E), ldc=F)
     return y_NF
+
+
+def _input_grad(grad_NF, w_EDF, counts_E):
+    """Per expert, (n_e, F) @ (D, F)^T. torch's matmul computes a one-row product against a transposed matrix as a
+    matrix-vector product, which rounds differently from the batch call's general product; so the experts with one
+    slot are left out of the batch (m = 0) and computed by torch.bmm, which matches torch here."""
+    E, D, F = w_EDF.shape
+    grad_ND = grad_NF.new_empty(grad_NF.shape[0], D)
+    starts_E = counts_E.cumsum(0) - counts_E
+    single_E = counts_E == 1
+    _batch(_NO_TRANS, _TRANS, m=counts_E.masked_fill(single_E, 0), n=D, k=F, a_E=_row_pointers(grad_NF, starts_E),
+           lda=F, b_E=_matrix_pointers(w_EDF), ldb=F, c_E=_row_pointers(grad_ND, starts_E), ldc=D)
+    experts_S = single_E.nonzero().squeeze(1)
+    if experts_S.numel():
+        rows_S = starts_E[experts_S]
+        grad_ND[rows_S] = torch.bmm(grad_NF[rows_S, None], w_EDF[experts_S].transpose(1, 2)).squeeze(1)
+    return grad_ND
+
+
+def _weight_grad(x_ND, grad_NF, counts_E):
+    """Per expert, (n_e, D)^T @ (n_e, F); an expert without slots gets zeros (k = 0 with beta = 0)."""
+    E, D, F = counts_E.numel(), x_ND.shape[1], grad_NF.shape[1]
+    grad_EDF = x_ND.new_empty(E, D, F)
+    starts_E = counts_E.cumsum(0) - counts_E
+    _batch(_TRANS, _NO_TRANS, m=D, n=F, k=counts_E, a_E=_row_pointers(x_ND, starts_E), lda=D,
+           b_E=_row_pointers(grad_NF, starts_E), ldb=F, c_E=_matrix_pointers(grad_EDF), ldc=F)
+    return grad_EDF
+
+
+def _check_rows(counts_E, x_ND):
+    if int(counts_E.sum()) != x_ND.shape[0]:  # MKL would read and write past the ends of the matrices
+        raise ValueError(f"group sizes sum to {int(counts_E.sum())}, but x has {x_ND.shape[0]} rows")
+
+
+def _batch(transa: int, transb: int, m, n, k, a_E, lda: int, b_E, ldb: int, c_E, ldc: int) -> None:
+    """C_e = op(A_e) @ op(B_e) for every expert e (row-major, alpha 1, beta 0), each expert its own group of one
+    product. Sizes are ints (the same for every expert) or int64 tensors; a/b/c are int64 address tensors."""
+    E = a_E.numel()
+    per_expert = [size.to(torch.int32) if isinstance(size, torch.Tensor) else _constant(E, size) for size in (m, n, k)]
+    arrays = [_constant(E, transa), _constant(E, transb), *per_expert, _constant(E, 1.0), a_E, _constant(E, lda),
+              b_E, _constant(E, ldb), _constant(E, 0.0), c_E, _constant(E, ldc)]
+    _sgemm_batch()(_ROW_MAJOR, *(array.data_ptr() for array in arrays), E, _constant(E, 1).data_ptr())
+
+
+def _matrix_pointers(w_EDF: torch.Tensor) -> torch.Tensor:
+    """Address of each expert's matrix in a contiguous (E, D, F) tensor."""
+    E, D, F = w_EDF.shape
+    return _expert_offsets(E, D * F * _FLOAT_BYTES) + w_EDF.data_ptr()
 
 
 def _row_pointers(matrix: torch.Tensor, starts_E: torch.Tensor) -> torch.Tensor:
