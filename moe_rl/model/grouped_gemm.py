@@ -30,7 +30,10 @@ _MAX_MKL_INT = 2**31 - 1  # the LP64 interface takes 32-bit sizes and strides
 
 @functools.cache
 def _sgemm_batch():
-    """MKL's cblas_sgemm_batch from the torch library that links it, or None."""
+    """MKL's cblas_sgemm_batch from the torch library that links it, or None. The unsuffixed symbol is MKL's LP64
+    interface (32-bit integers); its ILP64 twin would carry a _64 suffix."""
+    if not torch.backends.mkl.is_available():
+        return None
     library = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib"}.get(sys.platform, "torch_cpu.dll")
     try:
         function = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / library)).cblas_sgemm_batch
