@@ -123,6 +123,11 @@ def router_load_metrics(trace: RoutingTrace, entropy_LBS: torch.Tensor | None, m
     return metrics
 
 
+def probes_whole_batch(cfg: ProbeConfig, batch_size: int) -> bool:
+    """Whether the probes take every row of a batch of `batch_size`; only then do they reuse the old pass."""
+    return cfg.sequences is None or cfg.sequences >= batch_size
+
+
 class Prober:
     """The probes of one rollout step. The trainer calls `start` after the old pass, then `before_update` and
     `after_update` around every optimizer step; each returns flat metrics for that step's metrics line, and
@@ -131,7 +136,7 @@ class Prober:
     def __init__(self, cfg: ProbeConfig, batch, chunks: list[torch.Tensor], temperature: float, seed: int,
                  step: int):
         self.cfg, self.temperature, self.step = cfg, temperature, step
-        self.full_batch = cfg.sequences is None or cfg.sequences >= batch.size
+        self.full_batch = probes_whole_batch(cfg, batch.size)
         if self.full_batch:
             self.rows, self.chunks = torch.arange(batch.size), chunks
         else:  # a generator of its own, seeded by (seed, step): the training RNG is not touched

@@ -91,7 +91,10 @@ def left_align(ids_BP: torch.Tensor, valid_BP: torch.Tensor) -> tuple[torch.Tens
 
 def sample_next(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
     """Draw one token per row; return (tokens_B, their log-probs under softmax(logits / temperature))."""
-    logp_BV = torch.log_softmax(logits_BV.float() / cfg.temperature, dim=-1)
+    scaled_BV = logits_BV.float()
+    if cfg.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
+        scaled_BV = scaled_BV / cfg.temperature
+    logp_BV = torch.log_softmax(scaled_BV, dim=-1)
     if not torch.isfinite(logp_BV).all():
         raise FloatingPointError("the model produced non-finite logits while sampling")
     probs_BV = logp_BV.exp()
@@ -150,7 +153,10 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     ids_BP, valid_BP = left_align(prompt_ids_BP, prompt_valid_BP.bool())
     B, P = ids_BP.shape
     cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
-    tokens_BS, valid_BS = ids_BP, valid_BP
+    # Preallocated to the longest generation, so a step writes one column instead of copying the sequence;
+    # the first `length` columns are the sequence so far.
+    tokens_BW = torch.cat([ids_BP, ids_BP.new_full((B, cfg.max_new_tokens), pad_id)], dim=1)
+    valid_BW = torch.cat([valid_BP, valid_BP.new_zeros(B, cfg.max_new_tokens)], dim=1)
     finished_B = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
     logprobs = []
     with record_routing(model) if record and use_cache else nullcontext() as recorder, \
@@ -160,12 +166,14 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
             next_B, logp_B = sample_next(logits_BV, cfg, generator)
             next_B = next_B.masked_fill(finished_B, pad_id)
             logprobs.append(logp_B.masked_fill(finished_B, 0.0))
-            tokens_BS = torch.cat([tokens_BS, next_B[:, None]], dim=1)
-            valid_BS = torch.cat([valid_BS, ~finished_B[:, None]], dim=1)
+            length = P + step + 1
+            tokens_BW[:, length - 1] = next_B
+            valid_BW[:, length - 1] = ~finished_B
             finished_B = finished_B | (next_B == eos_id)
             if finished_B.all() or step == cfg.max_new_tokens - 1:
                 break
-            logits_BV = _next_logits(model, tokens_BS, valid_BS, cache)
+            logits_BV = _next_logits(model, tokens_BW[:, :length], valid_BW[:, :length], cache)
+    tokens_BS, valid_BS = tokens_BW[:, :length].contiguous(), valid_BW[:, :length].contiguous()
     routing = None
     if record:
         routing = recorder.trace() if use_cache else _record_full(model, tokens_BS, valid_BS)

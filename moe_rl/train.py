@@ -54,7 +54,7 @@ from moe_rl.model import MoETransformer
 from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.policy import policy_forward
-from moe_rl.probes import NativeRouting, Prober
+from moe_rl.probes import NativeRouting, Prober, probes_whole_batch
 from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
 from moe_rl.runs.checkpoint import TRAINING_STATE_KEYS, load_latest, restore_training_state, save_checkpoint, training_state
@@ -240,19 +240,21 @@ class Trainer:
     def old_pass(self, batch: RolloutBatch, chunks) -> OldPass:
         """theta_old log-probs and routing, chunk by chunk (the same chunks the updates use)."""
         mode, temp = self.cfg.routing_mode, self.cfg.rollout.sampling.temperature
+        # Router entropy serves only the probes' router-load metrics, and only when they reuse this pass.
+        with_entropy = probes_whole_batch(self.cfg.probes, batch.size)
         logps, traces, entropies = [], [], []
         for chunk in chunks:
             rows = batch.rows(chunk)
             if mode == "R3":
                 out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing)
             else:
-                out = policy_forward(self.model, rows, temp, record=True, with_entropy=True)
+                out = policy_forward(self.model, rows, temp, record=True, with_entropy=with_entropy)
                 entropies.append(out.router_entropy_LBS)
             logps.append(out.logp_BN)
             traces.append(out.trace)
         old_logp_BN, old_trace = torch.cat(logps), RoutingTrace.cat(traces)
         native = None if mode == "R3" else NativeRouting(old_trace, old_logp_BN, self.updates)
-        entropy = torch.cat(entropies, dim=1) if entropies else None
+        entropy = torch.cat(entropies, dim=1) if with_entropy and entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
         return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN)
 

@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_config, tiny_model
 from moe_rl.errors import ConfigError
 from moe_rl.model import MoETransformer
+from moe_rl.model.layers import attention_mask, decode_mask, last_positions, positions_from_mask
 from moe_rl.model.moe import choose_kernel
 
 
@@ -158,3 +159,23 @@ def test_aux_loss_only_counts_valid_tokens_and_is_off_without_grad():
     assert not torch.isclose(model(ids, valid_half).lb_loss, full)
     with torch.no_grad():
         assert model(ids, valid).aux_loss is None
+
+
+def test_decode_step_mask_and_position_equal_the_full_ones():
+    """A decode step (one query) builds its mask and position with shortcuts; they must equal the general ones for
+    left, right and mixed padding, rows without any valid token, and a query that is itself padding."""
+    g = torch.Generator().manual_seed(0)
+    for P in (1, 2, 7, 33):
+        valid_BP = torch.rand(16, P, generator=g) < 0.6
+        valid_BP[0], valid_BP[1] = False, True
+        assert torch.equal(decode_mask(valid_BP), attention_mask(valid_BP, 1))
+        assert torch.equal(last_positions(valid_BP), positions_from_mask(valid_BP)[:, -1:])
+    # and through the model: one cached step equals the same step with the general mask (P-wide)
+    model = tiny_model().eval()
+    ids_BS, valid_BS = torch.randint(3, 20, (4, 9), generator=g), torch.rand(4, 9, generator=g) < 0.7
+    with torch.no_grad():
+        cache = model.new_cache(4, 16)
+        model(ids_BS[:, :8], valid_BS[:, :8], cache)
+        step_BV = model(ids_BS[:, 8:], valid_BS, cache).logits_BSV[:, -1]
+        full_BV = model(ids_BS, valid_BS).logits_BSV[:, -1]
+    torch.testing.assert_close(step_BV, full_BV, rtol=1e-5, atol=1e-5)

@@ -212,3 +212,19 @@ def test_cli_config_file_is_the_default_and_flags_override_it(tmp_path):
     assert ran["model"]["d_model"] == saved.model.d_model
     missing = _moe_rl("train", "--config-file", cwd=tmp_path)
     assert missing.returncode == 2 and "--config-file needs a path" in missing.stderr
+
+
+@pytest.mark.parametrize("sequences", [None, 5])
+def test_old_pass_keeps_router_entropy_only_when_the_probes_reuse_it(tmp_path, sequences):
+    """The probes reuse the old pass (and its router entropy) only when they take the whole batch; otherwise the
+    old pass skips the entropy and the probes compute it on their own rows."""
+    from moe_rl.train import Trainer
+
+    cfg = tiny_train_config(tmp_path / "run", probes=ProbeConfig(sequences=sequences))
+    trainer = Trainer(cfg, torch.device("cpu"))
+    batch, _ = trainer.rollout()
+    batch, chunks = trainer.minibatch_chunks(batch, cfg.minibatches)
+    old = trainer.old_pass(batch, chunks)
+    assert (old.router_entropy_LBS is not None) == (sequences is None)
+    if sequences is None:
+        assert old.router_entropy_LBS.shape == old.trace.ids_LBSK.shape[:3]

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the casts below would be no-ops (this runs twice per layer per decode step)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).type_as(x)
 
 
@@ -125,8 +127,8 @@ def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) 
     G = k_BGPDh.shape[1]
     q_BGhDh = q_BH1Dh.reshape(B, G, H // G, Dh)
     scores_BGhP = (q_BGhDh @ k_BGPDh.transpose(-1, -2)) * (1.0 / math.sqrt(Dh))
-    if mask_B11P is not None:
-        scores_BGhP = scores_BGhP.masked_fill(~mask_B11P, float("-inf"))
+    if mask_B11P is not None:  # masked_fill(~mask, -inf) in one op
+        scores_BGhP = torch.where(mask_B11P, scores_BGhP, float("-inf"))
     return (scores_BGhP.softmax(dim=-1) @ v_BGPDh).view(B, H, 1, Dh)
 
 
@@ -147,6 +149,18 @@ def attention_mask(valid_BP: torch.Tensor, query_len: int) -> torch.Tensor:
 def positions_from_mask(valid_BS: torch.Tensor) -> torch.Tensor:
     """Position ids counting valid tokens only, so left padding does not shift a prompt's positions."""
     return (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def decode_mask(valid_BP: torch.Tensor) -> torch.Tensor:
+    """attention_mask(valid_BP, 1): the last position's query sees every valid key and itself."""
+    mask_BP = valid_BP.clone()
+    mask_BP[:, -1] = True
+    return mask_BP[:, None, None, :]
+
+
+def last_positions(valid_BP: torch.Tensor) -> torch.Tensor:
+    """positions_from_mask(valid_BP)[:, -1:]: the last cumsum is the row sum."""
+    return (valid_BP.sum(-1, keepdim=True) - 1).clamp(min=0)
 
 
 def autocast_context(device: torch.device):

@@ -19,7 +19,9 @@ from moe_rl.model.layers import (
     Rotary,
     SwiGLU,
     attention_mask,
+    decode_mask,
     init_weights,
+    last_positions,
     positions_from_mask,
 )
 from moe_rl.model.moe import MoEFeedForward
@@ -91,9 +93,13 @@ class MoETransformer(nn.Module):
             past = cache.length if cache is not None else 0
             valid_BP = torch.ones(B, past + S, dtype=torch.bool, device=input_ids_BS.device)
         valid_BS = valid_BP[:, -S:]
-        cos, sin = self.rotary.cos_sin(positions_from_mask(valid_BP)[:, -S:])
         full_causal = cache is None and bool(valid_BP.all())
-        mask_B1SP = None if full_causal else attention_mask(valid_BP, S)
+        if S == 1:  # a decode step: the same position and mask from a sum and a copy instead of P-wide scans
+            cos, sin = self.rotary.cos_sin(last_positions(valid_BP))
+            mask_B1SP = None if full_causal else decode_mask(valid_BP)
+        else:
+            cos, sin = self.rotary.cos_sin(positions_from_mask(valid_BP)[:, -S:])
+            mask_B1SP = None if full_causal else attention_mask(valid_BP, S)
 
         x_BSD = self.embed(input_ids_BS)
         lb_losses, z_losses = [], []
