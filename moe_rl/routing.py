@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.errors import RoutingError
+from moe_rl.model.cpu_topk import topk_indices
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class ReplaySession(RoutingSession):
             # A backend whose router does not rank by scores_TE (DeepSeek-V3's bias and groups) reports its choice.
             native_ids_TK = getattr(routing, "native_ids_TK", None)
             if native_ids_TK is None:
-                native_ids_TK = routing.scores_TE.detach().topk(routing.ids_TK.shape[1], dim=-1).indices
+                native_ids_TK = topk_indices(routing.scores_TE.detach(), routing.ids_TK.shape[1])
             self._native.add(layer, native_ids_TK.to(torch.int16).view(batch, seq_len, -1))
 
     def native_trace(self) -> RoutingTrace:
