@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from moe_rl.model import MoETransformer
-from moe_rl.model.grouped_gemm import MKL_MIN_EXPERTS, exact_min_block_rows, grouped_mm, mkl_available
+from moe_rl.model.grouped_gemm import MKL_MIN_EXPERTS, exact_min_block_rows, grouped_mm, mkl_available, mkl_grouped_mm
 
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
 
@@ -111,3 +111,11 @@ def test_short_blocks_serve_the_model_widths():
     kernel would silently keep all its padding)."""
     for d_in, d_out in [(64, 64), (32, 64), (64, 128), (128, 64), (256, 512), (512, 256)]:
         assert exact_min_block_rows(d_in, d_out, capacity=32) < 32, (d_in, d_out)
+
+
+@needs_mkl
+def test_strided_operands_are_refused():
+    counts_E = torch.full((MKL_MIN_EXPERTS,), 2)
+    x_ND, w_EDF, _ = _sorted_rows(counts_E, 16, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        mkl_grouped_mm(x_ND, w_EDF.transpose(1, 2).contiguous().transpose(1, 2), counts_E)

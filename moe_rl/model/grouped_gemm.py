@@ -103,7 +103,7 @@ def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     """Per expert, (n_e, D) @ (D, F) into the rows of y_NF, in one MKL call. Contiguous fp32 CPU tensors, no
     autograd; `mkl_available()` must be true."""
     E, D, F = w_EDF.shape
-    _check_rows(counts_E, x_ND)
+    _check_operands(counts_E, x_ND, w_EDF)
     y_NF = x_ND.new_empty(x_ND.shape[0], F)
     starts_E = counts_E.cumsum(0) - counts_E
     _batch(_NO_TRANS, _NO_TRANS, m=counts_E, n=F, k=D, a_E=_row_pointers(x_ND, starts_E), lda=D,
@@ -138,9 +138,13 @@ def _weight_grad(x_ND, grad_NF, counts_E):
     return grad_EDF
 
 
-def _check_rows(counts_E, x_ND):
-    if int(counts_E.sum()) != x_ND.shape[0]:  # MKL would read and write past the ends of the matrices
+def _check_operands(counts_E, x_ND, w_EDF):
+    """MKL reads raw addresses: rows that do not add up, or strided memory, would make it read the wrong numbers (or
+    past the end of a tensor) without an error."""
+    if int(counts_E.sum()) != x_ND.shape[0]:
         raise ValueError(f"group sizes sum to {int(counts_E.sum())}, but x has {x_ND.shape[0]} rows")
+    if not (x_ND.is_contiguous() and w_EDF.is_contiguous()):
+        raise ValueError("the MKL grouped matmul needs contiguous operands")
 
 
 def _batch(transa: int, transb: int, m, n, k, a_E, lda: int, b_E, ldb: int, c_E, ldc: int) -> None:
