@@ -119,3 +119,22 @@ def test_strided_operands_are_refused():
     x_ND, w_EDF, _ = _sorted_rows(counts_E, 16, 8)
     with pytest.raises(ValueError, match="contiguous"):
         mkl_grouped_mm(x_ND, w_EDF.transpose(1, 2).contiguous().transpose(1, 2), counts_E)
+
+
+@needs_mkl
+def test_weight_gradient_of_an_idle_expert_is_written_as_zeros():
+    """The weight gradient starts as uninitialised memory: the batch call must overwrite an idle expert's block
+    (k = 0, beta = 0) rather than leave whatever was there."""
+    from moe_rl.model import grouped_gemm
+
+    counts_E = torch.zeros(MKL_MIN_EXPERTS, dtype=torch.long)
+    counts_E[3] = 5
+    x_ND, grad_NF = torch.randn(5, 16), torch.randn(5, 8)
+    grad_EDF = torch.full((MKL_MIN_EXPERTS, 16, 8), float("nan"))
+    starts_E = counts_E.cumsum(0) - counts_E
+    grouped_gemm._batch(grouped_gemm._TRANS, grouped_gemm._NO_TRANS, m=16, n=8, k=counts_E,
+                        a_E=grouped_gemm._row_pointers(x_ND, starts_E), lda=16,
+                        b_E=grouped_gemm._row_pointers(grad_NF, starts_E), ldb=8,
+                        c_E=grouped_gemm._matrix_pointers(grad_EDF), ldc=8)
+    assert torch.equal(grad_EDF[3], x_ND.T @ grad_NF)
+    assert not grad_EDF.isnan().any() and (grad_EDF.sum(dim=(1, 2)) != 0).sum() == 1
