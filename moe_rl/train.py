@@ -249,12 +249,13 @@ class Trainer:
                 out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing)
             else:
                 out = policy_forward(self.model, rows, temp, record=True, with_entropy=with_entropy)
-                entropies.append(out.router_entropy_LBS)
+                if with_entropy:
+                    entropies.append(out.router_entropy_LBS)
             logps.append(out.logp_BN)
             traces.append(out.trace)
         old_logp_BN, old_trace = torch.cat(logps), RoutingTrace.cat(traces)
         native = None if mode == "R3" else NativeRouting(old_trace, old_logp_BN, self.updates)
-        entropy = torch.cat(entropies, dim=1) if with_entropy and entropies else None
+        entropy = torch.cat(entropies, dim=1) if entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
         return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN)
 

@@ -61,20 +61,32 @@ def test_group_sizes_that_do_not_cover_the_rows_are_refused():
 
 
 @pytest.mark.parametrize("top_k", [2, 8])
-def test_many_expert_passes_without_grad_equal_the_training_forward_and_the_loop(top_k):
-    """At MKL_MIN_EXPERTS experts the no-grad pass (sampling, old pass, probes) takes the batch call; its logits
-    must be exactly those of the grad-enabled forward (torch._grouped_mm), and close to the loop reference."""
+def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(top_k, monkeypatch):
+    """At MKL_MIN_EXPERTS experts both the no-grad pass (sampling, old pass, probes) and the training forward and
+    backward take the batch calls; logits and gradients must be exactly those of torch._grouped_mm, and the logits
+    close to the loop reference."""
+    from moe_rl.model import grouped_gemm
+
     overrides = dict(n_experts=MKL_MIN_EXPERTS, top_k=top_k, dispatch="grouped_mm")
     model = tiny_model(**overrides)
     loop = MoETransformer(tiny_config(**{**overrides, "dispatch": "loop"}))
     loop.load_state_dict(model.state_dict())
     ids = torch.randint(0, 40, (4, 13))
+
+    def passes():
+        with torch.no_grad():
+            logits_no_grad = model(ids).logits_BSV
+        model.zero_grad(set_to_none=True)
+        out = model(ids)
+        (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
+        return [logits_no_grad, out.logits_BSV.detach()] + [p.grad for p in model.parameters()]
+
+    ours = passes()
+    monkeypatch.setattr(grouped_gemm, "MKL_MIN_EXPERTS", MKL_MIN_EXPERTS + 1)  # torch._grouped_mm everywhere
+    torchs = passes()
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
     with torch.no_grad():
-        logits_no_grad = model(ids).logits_BSV
-        logits_loop = loop(ids).logits_BSV
-    logits_grad = model(ids).logits_BSV
-    assert torch.equal(logits_no_grad, logits_grad.detach())
-    torch.testing.assert_close(logits_no_grad, logits_loop, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[0], loop(ids).logits_BSV, rtol=1e-5, atol=1e-5)
 
 
 def _experts_and_routing(n_experts: int, top_k: int, tokens: int, hot_share: float):

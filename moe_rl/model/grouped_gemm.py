@@ -94,8 +94,9 @@ class _MKLGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_NF):
         x_ND, w_EDF, counts_E = ctx.saved_tensors
         grad_NF = grad_NF.contiguous()
-        grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E) if ctx.needs_input_grad[0] else None
-        grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E) if ctx.needs_input_grad[1] else None
+        starts_E = counts_E.cumsum(0) - counts_E
+        grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E, starts_E) if ctx.needs_input_grad[0] else None
+        grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E, starts_E) if ctx.needs_input_grad[1] else None
         return grad_x_ND, grad_w_EDF, None
 
 
@@ -111,13 +112,12 @@ def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     return y_NF
 
 
-def _input_grad(grad_NF, w_EDF, counts_E):
+def _input_grad(grad_NF, w_EDF, counts_E, starts_E):
     """Per expert, (n_e, F) @ (D, F)^T. torch's matmul computes a one-row product against a transposed matrix as a
     matrix-vector product, which rounds differently from the batch call's general product; so the experts with one
     slot are left out of the batch (m = 0) and computed by torch.bmm, which matches torch here."""
     E, D, F = w_EDF.shape
     grad_ND = grad_NF.new_empty(grad_NF.shape[0], D)
-    starts_E = counts_E.cumsum(0) - counts_E
     single_E = counts_E == 1
     _batch(_NO_TRANS, _TRANS, m=counts_E.masked_fill(single_E, 0), n=D, k=F, a_E=_row_pointers(grad_NF, starts_E),
            lda=F, b_E=_matrix_pointers(w_EDF), ldb=F, c_E=_row_pointers(grad_ND, starts_E), ldc=D)
@@ -128,11 +128,10 @@ def _input_grad(grad_NF, w_EDF, counts_E):
     return grad_ND
 
 
-def _weight_grad(x_ND, grad_NF, counts_E):
+def _weight_grad(x_ND, grad_NF, counts_E, starts_E):
     """Per expert, (n_e, D)^T @ (n_e, F); an expert without slots gets zeros (k = 0 with beta = 0)."""
     E, D, F = counts_E.numel(), x_ND.shape[1], grad_NF.shape[1]
     grad_EDF = x_ND.new_empty(E, D, F)
-    starts_E = counts_E.cumsum(0) - counts_E
     _batch(_TRANS, _NO_TRANS, m=D, n=F, k=counts_E, a_E=_row_pointers(x_ND, starts_E), lda=D,
            b_E=_row_pointers(grad_NF, starts_E), ldb=F, c_E=_matrix_pointers(grad_EDF), ldc=F)
     return grad_EDF
