@@ -2,10 +2,16 @@
 
 import pytest
 import torch
-
 from conftest import tiny_config, tiny_model
+
 from moe_rl.model import MoETransformer
-from moe_rl.model.grouped_gemm import MKL_MIN_EXPERTS, exact_min_block_rows, grouped_mm, mkl_available, mkl_grouped_mm
+from moe_rl.model.grouped_gemm import (
+    MKL_MIN_EXPERTS_WITH_GRAD,
+    exact_min_block_rows,
+    grouped_mm,
+    mkl_available,
+    mkl_grouped_mm,
+)
 
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
 
@@ -28,7 +34,7 @@ def test_batch_call_equals_torch_grouped_mm_at_every_group_size(d_in, d_out):
 
 @needs_mkl
 def test_batch_call_fills_rows_of_a_single_busy_expert():
-    counts_E = torch.zeros(MKL_MIN_EXPERTS, dtype=torch.long)
+    counts_E = torch.zeros(MKL_MIN_EXPERTS_WITH_GRAD, dtype=torch.long)
     counts_E[5] = 7
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
     with torch.no_grad():
@@ -54,20 +60,20 @@ def test_batch_calls_give_torch_grouped_mm_gradients_at_every_group_size(d_in, d
 
 @needs_mkl
 def test_group_sizes_that_do_not_cover_the_rows_are_refused():
-    counts_E = torch.full((MKL_MIN_EXPERTS,), 2)
+    counts_E = torch.full((MKL_MIN_EXPERTS_WITH_GRAD,), 2)
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match="sum to 128, but x has 127 rows"):
+    with torch.no_grad(), pytest.raises(ValueError, match="sum to 64, but x has 63 rows"):
         grouped_mm(x_ND[:-1], w_EDF, counts_E, ends_E)
 
 
-@pytest.mark.parametrize("top_k", [2, 8])
-def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(top_k, monkeypatch):
-    """At MKL_MIN_EXPERTS experts both the no-grad pass (sampling, old pass, probes) and the training forward and
-    backward take the batch calls; logits and gradients must be exactly those of torch._grouped_mm, and the logits
-    close to the loop reference."""
+@pytest.mark.parametrize("n_experts, top_k", [(MKL_MIN_EXPERTS_WITH_GRAD, 2), (MKL_MIN_EXPERTS_WITH_GRAD, 8), (8, 2)])
+def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(n_experts, top_k, monkeypatch):
+    """At MKL_MIN_EXPERTS_WITH_GRAD experts both the no-grad pass (sampling, old pass, probes) and the training forward
+    and backward take the batch calls (below it, the no-grad pass only); logits and gradients must be exactly those of
+    torch._grouped_mm, and the logits close to the loop reference."""
     from moe_rl.model import grouped_gemm
 
-    overrides = dict(n_experts=MKL_MIN_EXPERTS, top_k=top_k, dispatch="grouped_mm")
+    overrides = dict(n_experts=n_experts, top_k=top_k, dispatch="grouped_mm")
     model = tiny_model(**overrides)
     loop = MoETransformer(tiny_config(**{**overrides, "dispatch": "loop"}))
     loop.load_state_dict(model.state_dict())
@@ -82,7 +88,7 @@ def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(top_
         return [logits_no_grad, out.logits_BSV.detach()] + [p.grad for p in model.parameters()]
 
     ours = passes()
-    monkeypatch.setattr(grouped_gemm, "MKL_MIN_EXPERTS", MKL_MIN_EXPERTS + 1)  # torch._grouped_mm everywhere
+    monkeypatch.setattr(grouped_gemm, "_serves", lambda x, w: False)  # torch._grouped_mm everywhere
     torchs = passes()
     assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
     with torch.no_grad():
@@ -127,7 +133,7 @@ def test_short_blocks_serve_the_model_widths():
 
 @needs_mkl
 def test_strided_operands_are_refused():
-    counts_E = torch.full((MKL_MIN_EXPERTS,), 2)
+    counts_E = torch.full((MKL_MIN_EXPERTS_WITH_GRAD,), 2)
     x_ND, w_EDF, _ = _sorted_rows(counts_E, 16, 8)
     with pytest.raises(ValueError, match="contiguous"):
         mkl_grouped_mm(x_ND, w_EDF.transpose(1, 2).contiguous().transpose(1, 2), counts_E)
@@ -139,14 +145,10 @@ def test_weight_gradient_of_an_idle_expert_is_written_as_zeros():
     (k = 0, beta = 0) rather than leave whatever was there."""
     from moe_rl.model import grouped_gemm
 
-    counts_E = torch.zeros(MKL_MIN_EXPERTS, dtype=torch.long)
+    counts_E = torch.zeros(MKL_MIN_EXPERTS_WITH_GRAD, dtype=torch.long)
     counts_E[3] = 5
     x_ND, grad_NF = torch.randn(5, 16), torch.randn(5, 8)
-    grad_EDF = torch.full((MKL_MIN_EXPERTS, 16, 8), float("nan"))
-    starts_E = counts_E.cumsum(0) - counts_E
-    grouped_gemm._batch(grouped_gemm._TRANS, grouped_gemm._NO_TRANS, m=16, n=8, k=counts_E,
-                        a_E=grouped_gemm._row_pointers(x_ND, starts_E), lda=16,
-                        b_E=grouped_gemm._row_pointers(grad_NF, starts_E), ldb=8,
-                        c_E=grouped_gemm._matrix_pointers(grad_EDF), ldc=8)
+    grad_EDF = torch.full((MKL_MIN_EXPERTS_WITH_GRAD, 16, 8), float("nan"))
+    grouped_gemm._expert_products(grouped_gemm._WEIGHT_GRAD, counts_E, 16, 8, x_ND, grad_NF, grad_EDF)
     assert torch.equal(grad_EDF[3], x_ND.T @ grad_NF)
     assert not grad_EDF.isnan().any() and (grad_EDF.sum(dim=(1, 2)) != 0).sum() == 1

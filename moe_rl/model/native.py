@@ -1,0 +1,76 @@
+"""moe-rl's C kernels (native_kernels.c beside this file): built once per machine, loaded with ctypes.
+
+The kernels serve the routing hot path on CPU: the router's top-k, sorting token-slots by expert, gathering the
+experts' input rows and adding up their outputs (without autograd), and setting up the experts' MKL batch products.
+Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so whether they
+are used changes speed only.
+
+The source is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into a user cache folder
+($XDG_CACHE_HOME or ~/.cache, then moe-rl/), under a name that hashes the source and the compiler flags, so an edited
+kernel is rebuilt and an unchanged one is built once. Without a compiler (or with MOE_RL_NATIVE=0) `library()` is
+None and every caller runs its torch code instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+# -O3 for the vectorised group maxima of the top-k; no -march=native: the cache folder may be shared by machines
+# with different CPUs (a cluster's home directory).
+FLAGS = ("-O3", "-shared", "-fPIC")
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {  # name: argument types (every kernel returns an int64 status or count)
+    "topk_rows": [_PTR, _I64, _I64, _I64, _PTR],
+    "sort_slots": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+    "expert_sgemm": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
+    "add_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels with their signatures set, or None (no compiler, a failed build, or switched off)."""
+    if os.environ.get("MOE_RL_NATIVE", "1") == "0" or sys.platform == "win32":
+        return None
+    try:
+        loaded = ctypes.CDLL(str(build()))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(loaded, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int64
+    return loaded
+
+
+def build() -> Path:
+    """Compile the kernels unless this exact source was built with these flags before. Concurrent processes (sweep
+    workers) each build into a private folder and rename the result into place, so none loads a half-written
+    library."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl"
+    built_library = cache / f"native_{digest}.so"
+    if built_library.exists():
+        return built_library
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as folder:
+        private = Path(folder) / "native.so"
+        subprocess.run([compiler, *FLAGS, "-o", str(private), str(SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(private, built_library)
+    return built_library

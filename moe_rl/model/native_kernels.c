@@ -1,0 +1,295 @@
+/* moe-rl's CPU kernels for the routing hot path, loaded with ctypes by moe_rl/model/native.py.
+
+   Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, or hands the
+   arithmetic to MKL's own GEMM): routing decisions, traces and every number downstream stay those of torch. They
+   exist because at the paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general
+   kernels spend most of their time on set-up, branches and temporary buffers, once per layer and call. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+/* ---------------------------------------------------------------------------------------------------------------
+   top-k of each row
+
+   Indices of the k largest values of each row of a contiguous float32 (rows, n) matrix, in descending order of
+   value, into out (rows, k). The k + 1 largest values of a row ("keep") are held in a small sorted buffer by
+   insertion; a row whose keep largest values are not all distinct, or that holds a NaN, is "unclear" (torch's order
+   among equal values is its own): its first index is set to -1 for the caller to redo it with torch.topk. Returns the
+   number of unclear rows.
+
+   Wide rows first compute a threshold that no value of the keep largest is below: the maximum of each of GROUPS
+   interleaved groups (group g holds columns j with j % GROUPS == g) gives GROUPS distinct values, so at least keep
+   values of the row are >= the keep-th largest of those maxima. The insertion then only looks at values at or above
+   it (a few in a hundred), in column order as before, so its buffer ends with the same values in the same order, and
+   the row is unclear exactly when it was without the threshold. The group maxima vectorise; the branches they save
+   are the expensive part of an insertion on near-uniform router scores; on x86 the values at or above the threshold
+   are found four at a time as a bit mask. */
+
+#define MAX_KEEP 65
+#define GROUPS 16
+
+static int64_t insert(float *value, int64_t *index, int64_t held, int64_t keep, float candidate, int64_t j)
+{
+    int64_t slot = held < keep ? held++ : keep - 1;
+    while (slot > 0 && value[slot - 1] < candidate) {
+        value[slot] = value[slot - 1];
+        index[slot] = index[slot - 1];
+        --slot;
+    }
+    value[slot] = candidate;
+    index[slot] = j;
+    return held;
+}
+
+/* The keep-th largest of the row's GROUPS interleaved group maxima; *nan set when the row holds a NaN. */
+static float group_threshold(const float *row, int64_t n, int64_t keep, int *nan)
+{
+    float group_max[GROUPS];
+    int seen_nan = 0;
+    for (int g = 0; g < GROUPS; ++g) {
+        group_max[g] = row[g];
+        seen_nan |= row[g] != row[g];
+    }
+    int64_t j = GROUPS;
+    for (; j + GROUPS <= n; j += GROUPS) {
+        for (int g = 0; g < GROUPS; ++g) {
+            float v = row[j + g];
+            group_max[g] = v > group_max[g] ? v : group_max[g];
+            seen_nan |= v != v;
+        }
+    }
+    for (int g = 0; j < n; ++j, ++g) {
+        float v = row[j];
+        group_max[g] = v > group_max[g] ? v : group_max[g];
+        seen_nan |= v != v;
+    }
+    *nan = seen_nan;
+    float value[MAX_KEEP];
+    int64_t index[MAX_KEEP];
+    int64_t held = 0;
+    for (int g = 0; g < GROUPS; ++g)
+        if (held < keep || group_max[g] > value[keep - 1])
+            held = insert(value, index, held, keep, group_max[g], g);
+    return value[keep - 1];
+}
+
+/* Insert, in column order, the values of a row that are >= threshold (there are at least keep of them). */
+static int64_t insert_from(const float *row, int64_t n, float threshold, float *value, int64_t *index, int64_t keep)
+{
+    int64_t held = 0, j = 0;
+#if defined(__SSE2__)
+    __m128 threshold4 = _mm_set1_ps(threshold);
+    for (; j + 4 <= n; j += 4) {
+        int above = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(row + j), threshold4));
+        while (above) {
+            int64_t column = j + __builtin_ctz(above);
+            above &= above - 1;
+            if (held < keep || row[column] > value[keep - 1])
+                held = insert(value, index, held, keep, row[column], column);
+        }
+    }
+#endif
+    for (; j < n; ++j)
+        if (row[j] >= threshold && (held < keep || row[j] > value[keep - 1]))
+            held = insert(value, index, held, keep, row[j], j);
+    return held;
+}
+
+int64_t topk_rows(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *out)
+{
+    float value[MAX_KEEP];
+    int64_t index[MAX_KEEP];
+    int64_t keep = k < n ? k + 1 : n;
+    int use_threshold = keep <= GROUPS && n >= 2 * GROUPS;
+    int64_t unclear_rows = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        int64_t held = 0;
+        int nan = 0;
+        if (use_threshold) {
+            float threshold = group_threshold(row, n, keep, &nan);
+            if (!nan) held = insert_from(row, n, threshold, value, index, keep);
+        } else {
+            for (int64_t j = 0; j < n; ++j) {
+                float candidate = row[j];
+                if (candidate != candidate) { nan = 1; break; }
+                if (held == keep && !(candidate > value[keep - 1])) continue;
+                held = insert(value, index, held, keep, candidate, j);
+            }
+        }
+        int unclear = nan;
+        for (int64_t i = 0; i + 1 < held && !unclear; ++i) unclear = value[i] == value[i + 1];
+        unclear_rows += unclear;
+        if (nan) { out[r * k] = -1; continue; }
+        for (int64_t i = 0; i < k; ++i) out[r * k + i] = index[i];
+        if (unclear) out[r * k] = -1;
+    }
+    return unclear_rows;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   token-slots sorted by expert
+
+   A stable counting sort of n expert ids (slot s = token * k + choice): order[p] is the slot at sorted position p,
+   sorted_ids[p] its expert, token[p] its token (order[p] / k), counts[e] the slots of expert e. A stable sort has one
+   answer, so this is exactly torch's stable argsort. Returns 0, or -1 (nothing written but counts) if an id lies
+   outside [0, experts). */
+
+int64_t sort_slots(const int64_t *ids, int64_t n, int64_t k, int64_t experts, int64_t *order, int64_t *sorted_ids,
+                   int64_t *token, int64_t *counts)
+{
+    memset(counts, 0, experts * sizeof(int64_t));
+    for (int64_t s = 0; s < n; ++s) {
+        int64_t e = ids[s];
+        if (e < 0 || e >= experts) return -1;
+        counts[e]++;
+    }
+    int64_t *next = malloc(experts * sizeof(int64_t));
+    if (next == NULL) return -2;
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        next[e] = start;
+        start += counts[e];
+    }
+    for (int64_t s = 0; s < n; ++s) {
+        int64_t p = next[ids[s]]++;
+        order[p] = s;
+        sorted_ids[p] = ids[s];
+        token[p] = s / k;
+    }
+    free(next);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   the experts' input rows and the combined output, without autograd
+
+   The buffer the expert products read holds one block of rows per expert, in expert order: expert e's block has
+   block_rows[e] >= counts[e] rows, its first counts[e] rows its sorted slots in order, the rest padding (block_rows
+   NULL: blocks of exactly counts[e] rows, no padding). For each buffer row, expert_rows writes the input row x[t] of
+   its slot's token t (zeros for padding), the token (`tokens` for padding) and the slot's gate weight
+   weights[order[p]] (0 for padding): the copies torch's index_copy, gather and cat make, in one pass. Returns the
+   number of rows, or -1 if a block is shorter than its group or a token lies outside [0, tokens). */
+
+int64_t expert_rows(const float *x, int64_t tokens, int64_t d, const int64_t *token, const int64_t *order,
+                    const float *weights, const int64_t *counts, const int64_t *block_rows, int64_t experts,
+                    float *x_rows, int64_t *row_token, float *row_weight)
+{
+    int64_t slot = 0, row = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        int64_t block = block_rows != NULL ? block_rows[e] : counts[e];
+        if (block < counts[e]) return -1;
+        for (int64_t i = 0; i < counts[e]; ++i, ++slot, ++row) {
+            int64_t t = token[slot];
+            if (t < 0 || t >= tokens) return -1;
+            memcpy(x_rows + row * d, x + t * d, d * sizeof(float));
+            row_token[row] = t;
+            row_weight[row] = weights[order[slot]];
+        }
+        for (int64_t i = counts[e]; i < block; ++i, ++row) {
+            memset(x_rows + row * d, 0, d * sizeof(float));
+            row_token[row] = tokens;
+            row_weight[row] = 0.0f;
+        }
+    }
+    return row;
+}
+
+/* out (tokens, d) = the sum of the buffer rows y of each token, added in row order to a zero row; rows of token
+   `tokens` (padding) are left out. Each element sees the additions torch's index_add makes, in the same order, so the
+   sums are its sums bit for bit. Returns 0, or -1 if a row's token lies outside [0, tokens]. */
+
+int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_token, int64_t tokens, float *out)
+{
+    memset(out, 0, tokens * d * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t t = row_token[r];
+        if (t < 0 || t > tokens) return -1;
+        if (t == tokens) continue;
+        float *sum = out + t * d;
+        const float *add = y + r * d;
+        for (int64_t j = 0; j < d; ++j) sum[j] += add[j];
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   grouped products through MKL's batched GEMM
+
+   One cblas_sgemm_batch call (each expert its own group of one product; row-major, alpha 1, beta 0) for the three
+   products of an expert layer over token-slots sorted by expert, E experts, rows of expert e starting at the sum of
+   the counts before it:
+     mode 0 (forward):     c rows of e (n_e x F) = a rows of e (n_e x D) @ b[e] (D x F)
+     mode 1 (input grad):  c rows of e (n_e x D) = a rows of e (n_e x F) @ b[e]^T; experts with exactly one row are
+                           skipped (m = 0) and left to the caller, whose torch does a matrix-vector product there
+     mode 2 (weight grad): c[e] (D x F) = (a rows of e (n_e x D))^T @ b rows of e (n_e x F); an idle expert gets
+                           zeros (k = 0, beta 0)
+   sgemm_batch is MKL's function (from the torch library that links it), so the products are torch's own sgemm.
+   Returns 0; -1 if a count is negative or the counts do not add up to `rows`; -2 if out of memory; nothing is
+   computed unless it returns 0. */
+
+typedef void (*sgemm_batch_fn)(int layout, const int *transa, const int *transb, const int *m, const int *n,
+                               const int *k, const float *alpha, const float **a, const int *lda, const float **b,
+                               const int *ldb, const float *beta, float **c, const int *ldc, int groups,
+                               const int *group_size);
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int64_t *counts, int64_t rows,
+                     int64_t d, int64_t f, const float *a, const float *b, float *c)
+{
+    int64_t total = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        if (counts[e] < 0) return -1;
+        total += counts[e];
+    }
+    if (total != rows) return -1;
+    int *ints = malloc(experts * 9 * sizeof(int));
+    float *scalars = malloc(experts * 2 * sizeof(float));
+    const float **pointers = malloc(experts * 3 * sizeof(float *));
+    if (ints == NULL || scalars == NULL || pointers == NULL) {
+        free(ints); free(scalars); free(pointers);
+        return -2;
+    }
+    int *transa = ints, *transb = ints + experts, *m = ints + 2 * experts, *n = ints + 3 * experts;
+    int *kk = ints + 4 * experts, *lda = ints + 5 * experts, *ldb = ints + 6 * experts, *ldc = ints + 7 * experts;
+    int *group_size = ints + 8 * experts;  /* E groups of one product each */
+    float *alpha = scalars, *beta = scalars + experts;
+    const float **pa = pointers, **pb = pointers + experts;
+    float **pc = (float **)(pointers + 2 * experts);
+    int64_t start = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        int64_t rows_e = counts[e];
+        group_size[e] = 1;
+        alpha[e] = 1.0f;
+        beta[e] = 0.0f;
+        if (mode == 0) {
+            transa[e] = NO_TRANS; transb[e] = NO_TRANS;
+            m[e] = (int)rows_e; n[e] = (int)f; kk[e] = (int)d;
+            pa[e] = a + start * d; lda[e] = (int)d;
+            pb[e] = b + e * d * f; ldb[e] = (int)f;
+            pc[e] = c + start * f; ldc[e] = (int)f;
+        } else if (mode == 1) {
+            transa[e] = NO_TRANS; transb[e] = TRANS;
+            m[e] = rows_e == 1 ? 0 : (int)rows_e; n[e] = (int)d; kk[e] = (int)f;
+            pa[e] = a + start * f; lda[e] = (int)f;
+            pb[e] = b + e * d * f; ldb[e] = (int)f;
+            pc[e] = c + start * d; ldc[e] = (int)d;
+        } else {
+            transa[e] = TRANS; transb[e] = NO_TRANS;
+            m[e] = (int)d; n[e] = (int)f; kk[e] = (int)rows_e;
+            pa[e] = a + start * d; lda[e] = (int)d;
+            pb[e] = b + start * f; ldb[e] = (int)f;
+            pc[e] = c + e * d * f; ldc[e] = (int)f;
+        }
+        start += rows_e;
+    }
+    ((sgemm_batch_fn)sgemm_batch)(ROW_MAJOR, transa, transb, m, n, kk, alpha, pa, lda, pb, ldb, beta, pc, ldc,
+                                  (int)experts, group_size);
+    free(ints); free(scalars); free(pointers);
+    return 0;
+}

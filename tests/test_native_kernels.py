@@ -1,0 +1,148 @@
+"""The C kernels of the routing hot path (moe_rl/model/native.py): the router's top-k gives torch.topk's indices on
+every row (including the rows it hands back to torch.topk), the slot sort gives torch's stable argsort, and the library
+is built once per machine. The MKL set-up kernel is checked in test_grouped_gemm.py."""
+
+import ctypes
+
+import pytest
+import torch
+
+from moe_rl.model import native
+from moe_rl.model.cpu_topk import topk_indices
+from moe_rl.model.moe import sort_slots
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
+
+
+def _kernel_unclear_rows(scores_TE: torch.Tensor, k: int) -> list[int]:
+    ids_TK = torch.empty(scores_TE.shape[0], k, dtype=torch.int64)
+    count = native.library().topk_rows(scores_TE.data_ptr(), *scores_TE.shape, k, ids_TK.data_ptr())
+    unclear = (ids_TK[:, 0] < 0).nonzero().squeeze(1).tolist()
+    assert count == len(unclear)
+    return unclear
+
+
+@needs_native
+@pytest.mark.parametrize("tokens, experts, k", [(1000, 128, 8), (300, 8, 2), (50, 64, 8), (20, 6, 6), (40, 16, 1),
+                                                 (10, 100, 64), (30, 33, 15), (30, 47, 16), (30, 257, 8), (30, 32, 3)])
+@pytest.mark.parametrize("spread", [0.02, 0.5, 4.0])  # near-uniform scores (a fresh router), typical, peaked
+def test_indices_equal_torch_topk(tokens, experts, k, spread):
+    """Widths on both sides of the group-maxima bound (it needs 32+ columns and k < 16), with a ragged tail group."""
+    scores_TE = torch.randn(tokens, experts).mul(spread).softmax(-1)
+    assert torch.equal(topk_indices(scores_TE, k), scores_TE.topk(k, dim=-1).indices)
+    kept_TJ = scores_TE.topk(min(k + 1, experts), dim=-1).values  # near-uniform fp32 scores do tie at times
+    tied_rows = (kept_TJ[:, 1:] == kept_TJ[:, :-1]).any(dim=1).nonzero().squeeze(1).tolist()
+    assert _kernel_unclear_rows(scores_TE, k) == tied_rows
+
+
+@needs_native
+def test_rows_with_equal_or_missing_values_are_redone_by_torch():
+    scores_TE = torch.rand(6, 32)
+    scores_TE[1, [3, 9]] = 2.0  # the two largest are equal: their order is torch's
+    scores_TE[2, :] = 0.0  # every value equal (a router whose softmax underflowed everywhere but one)
+    scores_TE[2, 7] = 1.0
+    top5 = scores_TE[3].topk(5).values
+    scores_TE[3, (scores_TE[3] == top5[4]).nonzero()[0]] = top5[3]  # 4th and 5th largest equal: the boundary of k=4
+    scores_TE[4, 0] = float("nan")
+    assert _kernel_unclear_rows(scores_TE, 4) == [1, 2, 3, 4]
+    assert torch.equal(topk_indices(scores_TE, 4), scores_TE.topk(4, dim=-1).indices)
+
+
+@needs_native
+def test_wide_rows_with_ties_or_nan_anywhere_are_redone_by_torch():
+    """The same on rows wide enough for the group-maxima bound (a NaN in the tail group, or below the bound, must still
+    mark the row; a tie of two group maxima must not hide a value)."""
+    scores_TE = torch.rand(6, 130)
+    scores_TE[0, 129] = float("nan")  # the ragged tail group
+    scores_TE[1, 40] = float("nan")  # a value the bound would skip
+    scores_TE[2, [5, 21]] = 3.0  # equal maxima of the same interleaved group
+    scores_TE[3, [5, 6]] = 3.0  # equal maxima of neighbouring groups
+    assert _kernel_unclear_rows(scores_TE, 8) == [0, 1, 2, 3]
+    assert torch.equal(topk_indices(scores_TE, 8), scores_TE.topk(8, dim=-1).indices)
+
+
+@needs_native
+def test_bf16_router_scores_with_many_ties_match_torch():
+    logits_TE = torch.randn(500, 64).bfloat16().float()  # an emulated bf16 engine's gate: coarse, often tied
+    scores_TE = logits_TE.softmax(-1)
+    assert torch.equal(topk_indices(scores_TE, 8), scores_TE.topk(8, dim=-1).indices)
+
+
+def test_inputs_the_kernel_does_not_serve_go_to_torch():
+    scores = torch.randn(30, 128)
+    for tensor, k in [(scores.double(), 8), (scores.T, 8), (scores, 100), (scores[:0], 8)]:
+        assert torch.equal(topk_indices(tensor, k), tensor.topk(k, dim=-1).indices)
+
+
+@needs_native
+def test_build_compiles_once_into_the_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    library = native.build()
+    assert library.parent == tmp_path / "moe-rl" and library.exists()
+    built_at = library.stat().st_mtime_ns
+    assert native.build() == library and library.stat().st_mtime_ns == built_at
+    assert [p.name for p in (tmp_path / "moe-rl").iterdir()] == [library.name]  # no build folder left behind
+    loaded = ctypes.CDLL(str(library))
+    assert loaded.topk_rows and loaded.sort_slots and loaded.expert_sgemm
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(1, 8, 2), (64, 8, 2), (704, 128, 8), (300, 300, 4), (5, 128, 8)])
+def test_slot_sort_is_torch_stable_argsort(tokens, experts, k):
+    ids_TK = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    ids_TK[: tokens // 2] = ids_TK[: tokens // 2] % 3  # crowded experts, to exercise stability (ids repeat per token)
+    slots = sort_slots(ids_TK, experts)
+    ids_N = ids_TK.reshape(-1)
+    order_N = ids_N.argsort(stable=True)
+    assert torch.equal(slots.order_N, order_N)
+    assert torch.equal(slots.ids_N, ids_N[order_N])
+    assert torch.equal(slots.token_N, order_N // k)
+    assert torch.equal(slots.counts_E, torch.bincount(ids_N, minlength=experts))
+
+
+@needs_native
+def test_slot_sort_refuses_out_of_range_expert_ids():
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\); got 0..8"):
+        sort_slots(torch.tensor([[0, 8], [1, 2]]), 8)
+
+
+def _routed_slots(tokens: int, experts: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    scores_TE = torch.randn(tokens, experts, generator=g).softmax(-1)
+    scores_TE[: tokens // 3, 0] += 1.0  # one crowded expert, several idle ones
+    ids_TK = scores_TE.topk(k, dim=-1).indices
+    return torch.randn(tokens, 24, generator=g), scores_TE.gather(-1, ids_TK), sort_slots(ids_TK, experts)
+
+
+@needs_native
+@pytest.mark.parametrize("padding", ["none", "short blocks", "uniform"])
+def test_expert_rows_and_their_sum_equal_the_torch_code(padding, monkeypatch):
+    """The buffer rows and the combined output from the C kernels are the torch code's, bit for bit: rows, tokens and
+    weights copied, and the per-token sums added in the same order as index_add."""
+    from moe_rl.model import moe
+
+    x_TD, weights_TK, slots = _routed_slots(tokens=50, experts=16, k=4)
+    counts_E = slots.counts_E
+    block_rows_E = {"none": None, "short blocks": counts_E.clamp(min=3),
+                    "uniform": counts_E.new_full(counts_E.shape, int(counts_E.max()))}[padding]
+    with torch.no_grad():
+        native_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
+        y_RD = torch.randn(native_rows.x_RD.shape[0], 24)
+        native_sum = moe.combine_rows(y_RD, native_rows.token_R, 50)
+        monkeypatch.setattr(moe, "native_library", lambda: None)
+        torch_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
+        torch_sum = moe.combine_rows(y_RD, torch_rows.token_R, 50)
+    for name, ours, torchs in zip(moe.ExpertRows._fields, native_rows, torch_rows):
+        assert torch.equal(ours, torchs), name
+    assert torch.equal(native_sum, torch_sum)
+    assert (native_rows.token_R == 50).sum() == (0 if block_rows_E is None else int((block_rows_E - counts_E).sum()))
+
+
+@needs_native
+def test_expert_rows_refuse_blocks_shorter_than_their_groups():
+    from moe_rl.model import moe
+
+    x_TD, weights_TK, slots = _routed_slots(tokens=20, experts=8, k=2)
+    with torch.no_grad(), pytest.raises(ValueError, match="shorter than their groups"):
+        moe.expert_rows(x_TD, weights_TK, slots, slots.counts_E - 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="outside"):
+        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 21, 1]), 20)
