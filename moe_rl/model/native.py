@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-# -O3 for the vectorised group maxima of the top-k; no -march=native: the cache folder may be shared by machines
-# with different CPUs (a cluster's home directory).
-FLAGS = ("-O3", "-shared", "-fPIC")
+# -O3 for the vectorised group maxima of the top-k; no fused multiply-adds (the sums must be torch's additions, on
+# CPUs where FMA is baseline too); no -march=native: the cache folder may be shared by machines with different CPUs
+# (a cluster's home directory).
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or count)
