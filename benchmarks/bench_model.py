@@ -14,6 +14,7 @@ tests/test_gpu.py, not timed here.
 
     python -m benchmarks.bench_model            # about 3 minutes on a quiet CPU
     python -m benchmarks.bench_model --quick    # fewer repeats
+    python -m benchmarks.bench_model --repeat 21    # more repeats, for a shared machine whose speed drifts
 Writes results/bench/model.md and results/bench/model.csv.
 """
 
@@ -191,10 +192,13 @@ def markdown(rows: list[dict], command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (noisier numbers)")
+    parser.add_argument("--repeat", type=int, default=7,
+                        help="interleaved runs per contender for forward+backward (the sampler gets half, at least 3; "
+                             "the expert kernels twice as many); raise it on a shared machine whose speed drifts")
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for model.md / model.csv")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    repeat = 3 if args.quick else 7
+    repeat = 3 if args.quick else args.repeat
     rows = []
     for shape in SHAPES:
         rows += bench_fwd_bwd(shape, repeat)
@@ -202,7 +206,8 @@ def main() -> None:
         rows += bench_sampler(shape, max(3, repeat // 2))
     for shape in SHAPES:
         rows += bench_experts(shape, repeat * 2)
-    command = "python -m benchmarks.bench_model" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.bench_model" + (" --quick" if args.quick else "") + \
+        (f" --repeat {args.repeat}" if args.repeat != 7 and not args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "model.csv", rows)
     report = markdown(rows, command)
