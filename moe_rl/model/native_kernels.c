@@ -16,18 +16,21 @@
    top-k of each row
 
    Indices of the k largest values of each row of a contiguous float32 (rows, n) matrix, in descending order of
-   value, into out (rows, k). The k + 1 largest values of a row ("keep") are held in a small sorted buffer by
-   insertion; a row whose keep largest values are not all distinct, or that holds a NaN, is "unclear" (torch's order
-   among equal values is its own): its first index is set to -1 for the caller to redo it with torch.topk. Returns the
-   number of unclear rows.
+   value, into out (rows, k). A row whose k + 1 largest values ("keep") are not all distinct, or that holds a NaN, is
+   "unclear" (torch's order among equal values is its own): its first index is set to -1 for the caller to redo it
+   with torch.topk. Returns the number of unclear rows, or -1 if out of memory. Without ties the k largest are unique
+   and in a unique order, so any exact method returns torch.topk's indices.
 
-   Wide rows first compute a threshold that no value of the keep largest is below: the maximum of each of GROUPS
-   interleaved groups (group g holds columns j with j % GROUPS == g) gives GROUPS distinct values, so at least keep
-   values of the row are >= the keep-th largest of those maxima. The insertion then only looks at values at or above
-   it (a few in a hundred), in column order as before, so its buffer ends with the same values in the same order, and
-   the row is unclear exactly when it was without the threshold. The group maxima vectorise; the branches they save
-   are the expensive part of an insertion on near-uniform router scores; on x86 the values at or above the threshold
-   are found four at a time as a bit mask. */
+   Narrow rows hold the keep largest in a small sorted buffer by insertion. Wide rows (n >= 2 * GROUPS, keep <=
+   GROUPS) avoid its branches, which mispredict on every new row of near-uniform router scores:
+   1. a threshold no value of the keep largest is below: the maximum of each of GROUPS interleaved groups (group g
+      holds columns j with j % GROUPS == g) gives GROUPS distinct values, so at least keep values of the row are >=
+      the keep-th largest of those maxima (found, like everything below, by stable ranks: count the larger values
+      and the equal ones to the left);
+   2. the values at or above it (a dozen or two of 128 at the paper's shape) gathered, in column order, without
+      branches;
+   3. each of those written to the place its stable rank among them gives it: the keep largest in descending order,
+      equal values in column order, so the tie check sees exactly the keep largest. */
 
 #define MAX_KEEP 65
 #define GROUPS 16
@@ -43,6 +46,16 @@ static int64_t insert(float *value, int64_t *index, int64_t held, int64_t keep, 
     value[slot] = candidate;
     index[slot] = j;
     return held;
+}
+
+/* Stable descending rank of v[i] among v[0..n): how many values are larger, plus how many equal ones come before. */
+static int64_t stable_rank(const float *v, int64_t n, int64_t i)
+{
+    int64_t rank = 0;
+    float vi = v[i];
+    for (int64_t j = 0; j < i; ++j) rank += v[j] >= vi;
+    for (int64_t j = i + 1; j < n; ++j) rank += v[j] > vi;
+    return rank;
 }
 
 /* The keep-th largest of the row's GROUPS interleaved group maxima; *nan set when the row holds a NaN. */
@@ -68,52 +81,55 @@ static float group_threshold(const float *row, int64_t n, int64_t keep, int *nan
         seen_nan |= v != v;
     }
     *nan = seen_nan;
-    float value[MAX_KEEP];
-    int64_t index[MAX_KEEP];
-    int64_t held = 0;
+    float threshold = group_max[0];
     for (int g = 0; g < GROUPS; ++g)
-        if (held < keep || group_max[g] > value[keep - 1])
-            held = insert(value, index, held, keep, group_max[g], g);
-    return value[keep - 1];
+        threshold = stable_rank(group_max, GROUPS, g) == keep - 1 ? group_max[g] : threshold;
+    return threshold;
 }
 
-/* Insert, in column order, the values of a row that are >= threshold (there are at least keep of them). */
-static int64_t insert_from(const float *row, int64_t n, float threshold, float *value, int64_t *index, int64_t keep)
+/* The keep largest values of a row (at least keep of them are >= threshold) in descending order, equal values in
+   column order: the values >= threshold are gathered without branches, then each is written to the place its stable
+   rank gives it (value and index hold keep + 1 places; the last catches the values ranked lower). */
+static void top_from(const float *row, int64_t n, float threshold, int64_t keep, float *found_value,
+                     int64_t *found_index, float *value, int64_t *index)
 {
-    int64_t held = 0, j = 0;
-#if defined(__SSE2__)
-    __m128 threshold4 = _mm_set1_ps(threshold);
-    for (; j + 4 <= n; j += 4) {
-        int above = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(row + j), threshold4));
-        while (above) {
-            int64_t column = j + __builtin_ctz(above);
-            above &= above - 1;
-            if (held < keep || row[column] > value[keep - 1])
-                held = insert(value, index, held, keep, row[column], column);
-        }
+    int64_t found = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        found_value[found] = row[j];
+        found_index[found] = j;
+        found += row[j] >= threshold;
     }
-#endif
-    for (; j < n; ++j)
-        if (row[j] >= threshold && (held < keep || row[j] > value[keep - 1]))
-            held = insert(value, index, held, keep, row[j], j);
-    return held;
+    for (int64_t i = 0; i < found; ++i) {
+        int64_t rank = stable_rank(found_value, found, i);
+        int64_t place = rank < keep ? rank : keep;
+        value[place] = found_value[i];
+        index[place] = found_index[i];
+    }
 }
 
 int64_t topk_rows(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *out)
 {
-    float value[MAX_KEEP];
-    int64_t index[MAX_KEEP];
+    float value[MAX_KEEP + 1];
+    int64_t index[MAX_KEEP + 1];
     int64_t keep = k < n ? k + 1 : n;
     int use_threshold = keep <= GROUPS && n >= 2 * GROUPS;
+    float *found_value = use_threshold ? malloc(n * sizeof(float)) : NULL;
+    int64_t *found_index = use_threshold ? malloc(n * sizeof(int64_t)) : NULL;
+    if (use_threshold && (found_value == NULL || found_index == NULL)) {
+        free(found_value);
+        free(found_index);
+        return -1;
+    }
     int64_t unclear_rows = 0;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * n;
-        int64_t held = 0;
+        int64_t held = keep;
         int nan = 0;
         if (use_threshold) {
             float threshold = group_threshold(row, n, keep, &nan);
-            if (!nan) held = insert_from(row, n, threshold, value, index, keep);
+            if (!nan) top_from(row, n, threshold, keep, found_value, found_index, value, index);
         } else {
+            held = 0;
             for (int64_t j = 0; j < n; ++j) {
                 float candidate = row[j];
                 if (candidate != candidate) { nan = 1; break; }
@@ -128,6 +144,8 @@ int64_t topk_rows(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *o
         for (int64_t i = 0; i < k; ++i) out[r * k + i] = index[i];
         if (unclear) out[r * k] = -1;
     }
+    free(found_value);
+    free(found_index);
     return unclear_rows;
 }
 
