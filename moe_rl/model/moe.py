@@ -199,10 +199,10 @@ def _buffer_rows(slots: SlotLayout, block_starts_E: torch.Tensor) -> torch.Tenso
 # medians): grouped_mm 0.81 ms against padded 0.43 ms at C=8, 0.54 ms at C=12, 0.68 at C=16, 0.79 at C=20, so the
 # break-even is near C = N/E + 16 rows of d64 F32 (6,144 multiply-adds each). At d256 F256 a row costs 32x more and
 # the allowance vanishes: only near-perfect balance pads. With a hot expert (C in the hundreds) the loop wins.
-# Since then both kernels got cheaper at 64+ experts (grouped_gemm: MKL batch calls, short blocks), but the rule stays
-# as measured then on purpose: the two kernels round an expert with 1-3 slots differently (a short product in one,
-# a row of a C-row block in the other), so moving the break-even would change sampled tokens, and with them every
-# committed study's numbers.
+# Since then both kernels got cheaper (grouped_gemm: MKL batch calls, short blocks; C kernels for the rows and sums),
+# but the rule stays as measured then on purpose: the two kernels round an expert with 1-3 slots differently (a short
+# product in one, a row of a C-row block in the other), so moving the break-even would change sampled tokens, and
+# with them every committed study's numbers.
 PADDED_MAX_MEAN_GROUP = 8  # mean slots per expert at or below which padding is considered
 PADDED_MAX_WASTE = 2.5  # padded rows E * C over real slots N that are always acceptable
 PADDED_EXPERT_OVERHEAD_MACS = 100_000  # per-expert cost of the grouped loop, in multiply-adds
