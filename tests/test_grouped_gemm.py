@@ -152,3 +152,12 @@ def test_weight_gradient_of_an_idle_expert_is_written_as_zeros():
     grouped_gemm._expert_products(grouped_gemm._WEIGHT_GRAD, counts_E, 16, 8, x_ND, grad_NF, grad_EDF)
     assert torch.equal(grad_EDF[3], x_ND.T @ grad_NF)
     assert not grad_EDF.isnan().any() and (grad_EDF.sum(dim=(1, 2)) != 0).sum() == 1
+
+
+@needs_mkl
+def test_operands_whose_shapes_do_not_fit_are_refused():
+    """MKL would read past a weight of the wrong width without an error."""
+    counts_E = torch.full((MKL_MIN_EXPERTS_WITH_GRAD,), 2)
+    x_ND, w_EDF, _ = _sorted_rows(counts_E, 16, 8)
+    with pytest.raises(ValueError, match="expected"):
+        mkl_grouped_mm(x_ND[:, :12].contiguous(), w_EDF, counts_E)

@@ -54,7 +54,7 @@ def mkl_available() -> bool:
 # arguments set up in C it is never slower than torch's loop (measured, one CPU thread, medians: 22 vs 34 us for a
 # decode step's 128 slots at E=8, D=64, F=64; 180 vs 364 us at E=128 and 1,024 slots; even at 8,192 slots and at d256).
 # With autograd, only from this many experts: there the backward's bookkeeping (the one-slot experts) costs what the
-# batch saves at E=8 and E=16 (within +-5%), while at E=32 forward+backward is 10-20% faster and at E=128 up to 2.2x.
+# batch saves at E=8 and E=16 (within +-5%), while at E=32 forward+backward is 9-19% faster and at E=128 up to 2.2x.
 MKL_MIN_EXPERTS_WITH_GRAD = 32
 
 
@@ -137,12 +137,17 @@ def _weight_grad(x_ND, grad_NF, counts_E):
 
 def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c) -> None:
     """One MKL batch call for the products of `mode` (native_kernels.c, expert_sgemm, says which), set up in C.
-    MKL reads raw addresses: rows that do not add up, or strided memory, would make it read the wrong numbers (or
-    past the end of a tensor) without an error, so both are refused here."""
-    if not (a.is_contiguous() and b.is_contiguous()):
+    MKL reads raw addresses: rows that do not add up, shapes that do not fit, or strided memory, would make it read the
+    wrong numbers (or past the end of a tensor) without an error, so all three are refused here."""
+    if not (a.is_contiguous() and b.is_contiguous() and c.is_contiguous()):
         raise ValueError("the MKL grouped matmul needs contiguous operands")
     counts_E = counts_E.to(torch.int64).contiguous()
-    rows = a.shape[0]
+    rows, E = a.shape[0], counts_E.numel()
+    expected = {_FORWARD: ((rows, D), (E, D, F), (rows, F)), _INPUT_GRAD: ((rows, F), (E, D, F), (rows, D)),
+                _WEIGHT_GRAD: ((rows, D), (rows, F), (E, D, F))}[mode]
+    shapes = tuple(tuple(t.shape) for t in (a, b, c))
+    if shapes != expected:
+        raise ValueError(f"grouped matmul operands of shapes {shapes}, expected {expected}")
     status = native_library().expert_sgemm(_sgemm_batch(), mode, counts_E.numel(), counts_E.data_ptr(), rows, D, F,
                                            a.data_ptr(), b.data_ptr(), c.data_ptr())
     if status == -1 and bool((counts_E < 0).any()):
