@@ -144,5 +144,9 @@ def test_expert_rows_refuse_blocks_shorter_than_their_groups():
     x_TD, weights_TK, slots = _routed_slots(tokens=20, experts=8, k=2)
     with torch.no_grad(), pytest.raises(ValueError, match="shorter than their groups"):
         moe.expert_rows(x_TD, weights_TK, slots, slots.counts_E - 1)
+    one_more_E = slots.counts_E.clone()
+    one_more_E[0] += 1  # would read past the sorted slots
+    with torch.no_grad(), pytest.raises(ValueError, match="do not add up"):
+        moe.expert_rows(x_TD, weights_TK, slots._replace(counts_E=one_more_E))
     with torch.no_grad(), pytest.raises(ValueError, match="outside"):
         moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 21, 1]), 20)

@@ -176,11 +176,12 @@ def _native_expert_rows(kernel, x_TD, weights_TK, slots: SlotLayout, block_rows_
         block_rows_E = block_rows_E.to(torch.int64).contiguous()
     x_RD, token_R, weight_R = torch.empty(n_rows, D), torch.empty(n_rows, dtype=torch.int64), torch.empty(n_rows)
     written = kernel.expert_rows(x_TD.data_ptr(), T, D, slots.token_N.data_ptr(), slots.order_N.data_ptr(),
-                                 weights_TK.data_ptr(), slots.counts_E.data_ptr(),
+                                 slots.token_N.numel(), weights_TK.data_ptr(), slots.counts_E.data_ptr(),
                                  None if block_rows_E is None else block_rows_E.data_ptr(), E, x_RD.data_ptr(),
                                  token_R.data_ptr(), weight_R.data_ptr())
     if written != n_rows:
-        raise ValueError("expert blocks shorter than their groups, or slots of tokens outside the batch")
+        raise ValueError("expert groups that do not add up to the slots, blocks shorter than their groups, or slots "
+                         "of tokens outside the batch")
     return ExpertRows(x_RD, token_R, weight_R)
 
 

@@ -34,7 +34,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "topk_rows": [_PTR, _I64, _I64, _I64, _PTR],
     "sort_slots": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     "expert_sgemm": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
-    "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
+    "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
     "add_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
 }
 

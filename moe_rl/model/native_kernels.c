@@ -191,12 +191,16 @@ int64_t sort_slots(const int64_t *ids, int64_t n, int64_t k, int64_t experts, in
    NULL: blocks of exactly counts[e] rows, no padding). For each buffer row, expert_rows writes the input row x[t] of
    its slot's token t (zeros for padding), the token (`tokens` for padding) and the slot's gate weight
    weights[order[p]] (0 for padding): the copies torch's index_copy, gather and cat make, in one pass. Returns the
-   number of rows, or -1 if a block is shorter than its group or a token lies outside [0, tokens). */
+   number of rows, or -1 if the counts do not add up to the `slots` sorted slots, a block is shorter than its group,
+   or a token lies outside [0, tokens); order[p] must lie in [0, tokens * k) (weights is (tokens, k)). */
 
 int64_t expert_rows(const float *x, int64_t tokens, int64_t d, const int64_t *token, const int64_t *order,
-                    const float *weights, const int64_t *counts, const int64_t *block_rows, int64_t experts,
-                    float *x_rows, int64_t *row_token, float *row_weight)
+                    int64_t slots, const float *weights, const int64_t *counts, const int64_t *block_rows,
+                    int64_t experts, float *x_rows, int64_t *row_token, float *row_weight)
 {
+    int64_t total = 0;
+    for (int64_t e = 0; e < experts; ++e) total += counts[e];
+    if (total != slots) return -1;
     int64_t slot = 0, row = 0;
     for (int64_t e = 0; e < experts; ++e) {
         int64_t block = block_rows != NULL ? block_rows[e] : counts[e];
