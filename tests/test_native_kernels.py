@@ -150,3 +150,34 @@ def test_expert_rows_refuse_blocks_shorter_than_their_groups():
         moe.expert_rows(x_TD, weights_TK, slots._replace(counts_E=one_more_E))
     with torch.no_grad(), pytest.raises(ValueError, match="outside"):
         moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 21, 1]), 20)
+
+
+@needs_native
+@pytest.mark.parametrize("n_experts, top_k, dispatch", [(64, 8, "grouped"), (64, 8, "padded"), (8, 2, "grouped")])
+def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, dispatch, monkeypatch):
+    """What a machine without a C compiler runs (torch's kernels everywhere) gives the very numbers the kernels give:
+    no-grad logits, sampled tokens, log-probs and routing, and a training step's gradients."""
+    from conftest import tiny_model
+    from moe_rl.model import cpu_topk, grouped_gemm, moe
+    from moe_rl.rollout import SamplingConfig, generate
+
+    model = tiny_model(n_experts=n_experts, top_k=top_k, dispatch=dispatch)
+    ids_BS = torch.randint(3, 40, (6, 11))
+    valid_BS = torch.ones_like(ids_BS, dtype=torch.bool)
+    valid_BS[1, :3] = False
+
+    def passes():
+        with torch.no_grad():
+            logits = model(ids_BS, valid_BS).logits_BSV
+        gen = generate(model, ids_BS, valid_BS, SamplingConfig(max_new_tokens=8), eos_id=2, pad_id=0,
+                       generator=torch.Generator().manual_seed(0), record=True)
+        model.zero_grad(set_to_none=True)
+        out = model(ids_BS, valid_BS)
+        (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
+        return [logits, gen.tokens_BS, gen.logprobs_BN, gen.routing.ids_LBSK] + [p.grad for p in model.parameters()]
+
+    with_kernels = passes()
+    for module in (moe, cpu_topk, grouped_gemm):
+        monkeypatch.setattr(module, "native_library", lambda: None)
+    without_kernels = passes()
+    assert all(torch.equal(a, b) for a, b in zip(with_kernels, without_kernels))
