@@ -6,10 +6,12 @@ import ctypes
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from moe_rl.model import native
+from moe_rl.model import cpu_topk, grouped_gemm, moe, native
 from moe_rl.model.cpu_topk import topk_indices
 from moe_rl.model.moe import sort_slots
+from moe_rl.rollout import SamplingConfig, generate
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
 
@@ -118,7 +120,6 @@ def _routed_slots(tokens: int, experts: int, k: int, seed: int = 0):
 def test_expert_rows_and_their_sum_equal_the_torch_code(padding, monkeypatch):
     """The buffer rows and the combined output from the C kernels are the torch code's, bit for bit: rows, tokens and
     weights copied, and the per-token sums added in the same order as index_add."""
-    from moe_rl.model import moe
 
     x_TD, weights_TK, slots = _routed_slots(tokens=50, experts=16, k=4)
     counts_E = slots.counts_E
@@ -139,7 +140,6 @@ def test_expert_rows_and_their_sum_equal_the_torch_code(padding, monkeypatch):
 
 @needs_native
 def test_expert_rows_refuse_blocks_shorter_than_their_groups():
-    from moe_rl.model import moe
 
     x_TD, weights_TK, slots = _routed_slots(tokens=20, experts=8, k=2)
     with torch.no_grad(), pytest.raises(ValueError, match="shorter than their groups"):
@@ -157,9 +157,6 @@ def test_expert_rows_refuse_blocks_shorter_than_their_groups():
 def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, dispatch, monkeypatch):
     """What a machine without a C compiler runs (torch's kernels everywhere) gives the very numbers the kernels give:
     no-grad logits, sampled tokens, log-probs and routing, and a training step's gradients."""
-    from conftest import tiny_model
-    from moe_rl.model import cpu_topk, grouped_gemm, moe
-    from moe_rl.rollout import SamplingConfig, generate
 
     model = tiny_model(n_experts=n_experts, top_k=top_k, dispatch=dispatch)
     ids_BS = torch.randint(3, 40, (6, 11))
