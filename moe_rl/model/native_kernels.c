@@ -1,7 +1,8 @@
 /* moe-rl's CPU kernels for the routing hot path, loaded with ctypes by moe_rl/model/native.py.
 
-   Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, or hands the
-   arithmetic to MKL's own GEMM): routing decisions, traces and every number downstream stay those of torch. They
+   Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, adds in the order
+   torch adds, or hands the arithmetic to MKL's own GEMM): routing decisions, traces and every number downstream stay
+   those of torch. They
    exist because at the paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general
    kernels spend most of their time on set-up, branches and temporary buffers, once per layer and call. */
 
