@@ -28,7 +28,7 @@ def test_batch_call_equals_torch_grouped_mm_at_every_group_size(d_in, d_out):
     counts_E = torch.arange(130)[torch.randperm(130)]  # every group size from 0 (an idle expert) to 129
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
     with torch.no_grad():
-        y_NF = grouped_mm(x_ND, w_EDF, counts_E, ends_E)
+        y_NF = grouped_mm(x_ND, w_EDF, counts_E)
     assert torch.equal(y_NF, torch._grouped_mm(x_ND, w_EDF, offs=ends_E))
 
 
@@ -38,7 +38,7 @@ def test_batch_call_fills_rows_of_a_single_busy_expert():
     counts_E[5] = 7
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
     with torch.no_grad():
-        assert torch.equal(grouped_mm(x_ND, w_EDF, counts_E, ends_E), x_ND @ w_EDF[5])
+        assert torch.equal(grouped_mm(x_ND, w_EDF, counts_E), x_ND @ w_EDF[5])
 
 
 @needs_mkl
@@ -48,12 +48,12 @@ def test_batch_calls_give_torch_grouped_mm_gradients_at_every_group_size(d_in, d
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
     upstream_NF = torch.randn(x_ND.shape[0], d_out)
     grads = []
-    for product in (lambda x, w: grouped_mm(x, w, counts_E, ends_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
         x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
         y = product(x, w)
         y.backward(upstream_NF)
         grads.append((y.detach(), x.grad, w.grad))
-    assert "MKLGroupedMM" in type(grouped_mm(x, w, counts_E, ends_E).grad_fn).__name__
+    assert "MKLGroupedMM" in type(grouped_mm(x, w, counts_E).grad_fn).__name__
     for ours, torchs, name in zip(grads[0], grads[1], ("output", "input grad", "weight grad")):
         assert torch.equal(ours, torchs), name
 
@@ -63,7 +63,7 @@ def test_group_sizes_that_do_not_cover_the_rows_are_refused():
     counts_E = torch.full((MKL_MIN_EXPERTS_WITH_GRAD,), 2)
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
     with torch.no_grad(), pytest.raises(ValueError, match="sum to 64, but x has 63 rows"):
-        grouped_mm(x_ND[:-1], w_EDF, counts_E, ends_E)
+        grouped_mm(x_ND[:-1], w_EDF, counts_E)
 
 
 @pytest.mark.parametrize("n_experts, top_k", [(MKL_MIN_EXPERTS_WITH_GRAD, 2), (MKL_MIN_EXPERTS_WITH_GRAD, 8), (8, 2)])

@@ -178,3 +178,10 @@ def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, di
         monkeypatch.setattr(module, "native_library", lambda: None)
     without_kernels = passes()
     assert all(torch.equal(a, b) for a, b in zip(with_kernels, without_kernels))
+
+
+def test_the_kernels_can_be_switched_off(monkeypatch):
+    """MOE_RL_NATIVE=0 gives no library, so every caller runs its torch code (library() itself is cached per process;
+    its undecorated body is what a fresh process would run)."""
+    monkeypatch.setenv("MOE_RL_NATIVE", "0")
+    assert native.library.__wrapped__() is None

@@ -58,18 +58,22 @@ def mkl_available() -> bool:
 MKL_MIN_EXPERTS_WITH_GRAD = 32
 
 
-def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-               group_ends_E: torch.Tensor) -> torch.Tensor:
-    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm(x, w, offs=group_ends_E),
-    with the same values and gradients; on one CPU thread through MKL batch calls (always without autograd; with it,
-    the forward and the two products of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm over the groups of
+    counts_E, with the same values and gradients; on one CPU thread through MKL batch calls (always without autograd;
+    with it, the forward and the two products of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
     if not _serves(x_ND, w_EDF):
-        return torch._grouped_mm(x_ND, w_EDF, offs=group_ends_E)
+        return _torch_grouped_mm(x_ND, w_EDF, counts_E)
     if torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad):
         if w_EDF.shape[0] < MKL_MIN_EXPERTS_WITH_GRAD:
-            return torch._grouped_mm(x_ND, w_EDF, offs=group_ends_E)
+            return _torch_grouped_mm(x_ND, w_EDF, counts_E)
         return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E)
     return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
+
+
+def _torch_grouped_mm(x_ND, w_EDF, counts_E):
+    """torch._grouped_mm, whose groups are given by their end offsets (int32)."""
+    return torch._grouped_mm(x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))
 
 
 def _serves(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:

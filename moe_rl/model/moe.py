@@ -148,7 +148,7 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     """out_TD (fp32) = the sum of each token's rows of y_RD, in row order; padding rows (token T) are dropped. One C
     pass without autograd (native_kernels.c, add_rows: the additions of index_add, in its order), else index_add."""
     kernel = _native_without_grad(y_RD)
-    if kernel is not None and y_RD.dtype == torch.float32:
+    if kernel is not None:
         y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
         out_TD = torch.empty(n_tokens, y_RD.shape[1])
         if kernel.add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
@@ -263,9 +263,8 @@ class Experts(nn.Module):
     def _grouped_mm(self, x_TD, weights_TK, slots: SlotLayout):
         """All experts as two grouped matmuls over the sorted token-slots."""
         dtype = _compute_dtype(x_TD)
-        group_ends_E = slots.counts_E.cumsum(0).to(torch.int32)
         rows = expert_rows(x_TD, weights_TK, slots)
-        gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), self.w_gate_up.to(dtype), slots.counts_E, group_ends_E)
+        gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), self.w_gate_up.to(dtype), slots.counts_E)
         gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
         hidden_NF = F.silu(gate_NF) * up_NF
         gate_weight_N = rows.weight_R
@@ -274,9 +273,9 @@ class Experts(nn.Module):
             # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
             # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
             hidden_NF = hidden_NF * gate_weight_N[:, None]
-            y_ND = grouped_mm(hidden_NF, self.w_down, slots.counts_E, group_ends_E)
+            y_ND = grouped_mm(hidden_NF, self.w_down, slots.counts_E)
         else:  # low precision: the gate weight is applied in fp32 after the matmul
-            y_ND = grouped_mm(hidden_NF, self.w_down.to(dtype), slots.counts_E, group_ends_E)
+            y_ND = grouped_mm(hidden_NF, self.w_down.to(dtype), slots.counts_E)
             y_ND = y_ND.float() * gate_weight_N[:, None]
         return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 

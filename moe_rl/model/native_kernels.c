@@ -9,9 +9,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 /* ---------------------------------------------------------------------------------------------------------------
    top-k of each row
