@@ -179,3 +179,36 @@ def test_decode_step_mask_and_position_equal_the_full_ones():
         step_BV = model(ids_BS[:, 8:], valid_BS, cache).logits_BSV[:, -1]
         full_BV = model(ids_BS, valid_BS).logits_BSV[:, -1]
     torch.testing.assert_close(step_BV, full_BV, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbers():
+    """Without padding the single query's mask would be all true: the step runs without it, to the same bits."""
+    from moe_rl.model.layers import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q_BH1Dh, k_BGPDh, v_BGPDh = (torch.randn(*shape, generator=g) for shape in ((5, 4, 1, 8), (5, 2, 9, 8),
+                                                                                (5, 2, 9, 8)))
+    all_true_B11P = torch.ones(5, 1, 1, 9, dtype=torch.bool)
+    assert torch.equal(decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, None),
+                       decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
+
+
+def test_z_loss_at_coefficient_zero_is_logged_but_adds_nothing_to_the_gradients():
+    """With z_loss_coef = 0 the z-loss is computed without autograd (its backward would add zeros); the gradients are
+    those of the loss with the z-loss in the graph, and with a coefficient it is in the graph."""
+    ids, valid = torch.randint(0, 40, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
+
+    def grads(model):
+        out = model(ids, valid)
+        (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
+        return out.z_loss, [p.grad for p in model.parameters()]
+
+    z_off, grads_off = grads(tiny_model())
+    in_graph = tiny_model()
+    for layer in in_graph.moe_layers():
+        layer.z_loss_in_graph = True
+    z_in, grads_in = grads(in_graph)
+    assert not z_off.requires_grad and z_in.requires_grad
+    assert torch.equal(z_off, z_in.detach()) and z_off > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_in))
+    assert tiny_model(z_loss_coef=1e-3)(ids, valid).z_loss.requires_grad

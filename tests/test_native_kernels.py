@@ -1,6 +1,7 @@
 """The C kernels of the routing hot path (moe_rl/model/native.py): the router's top-k gives torch.topk's indices on
-every row (including the rows it hands back to torch.topk), the slot sort gives torch's stable argsort, and the library
-is built once per machine. The MKL set-up kernel is checked in test_grouped_gemm.py."""
+every row (including the rows it hands back to torch.topk), the slot sort gives torch's stable argsort, the expert rows,
+their sums and the rotary embedding give the torch code's numbers with and without autograd, and the library is built
+once per machine. The MKL set-up kernel is checked in test_grouped_gemm.py."""
 
 import ctypes
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from moe_rl.model import cpu_topk, grouped_gemm, moe, native
+from moe_rl.model import cpu_topk, grouped_gemm, layers, moe, native
 from moe_rl.model.cpu_topk import topk_indices
 from moe_rl.model.moe import sort_slots
 from moe_rl.rollout import SamplingConfig, generate
@@ -153,6 +154,58 @@ def test_expert_rows_refuse_blocks_shorter_than_their_groups():
 
 
 @needs_native
+@pytest.mark.parametrize("padding", [False, True])
+def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, monkeypatch):
+    """With autograd the rows are gathered and summed by autograd Functions whose backwards are C sums and copies;
+    values and input gradients are those of index_select and index_add, bit for bit."""
+
+    x_TD, weights_TK, slots = _routed_slots(tokens=50, experts=16, k=4)
+    block_rows_E = slots.counts_E.clamp(min=5) if padding else None
+    grad_seed_TD = torch.randn(50, 24)
+
+    def forward_backward():
+        x = x_TD.clone().requires_grad_()
+        rows = moe.expert_rows(x, weights_TK, slots, block_rows_E)
+        y_RD = rows.x_RD * torch.linspace(0.5, 2.0, rows.x_RD.shape[0])[:, None]  # rows differ, as expert outputs do
+        out_TD = moe.combine_rows(y_RD, rows.token_R, 50)
+        (out_TD * grad_seed_TD).sum().backward()
+        return out_TD.detach(), x.grad
+
+    native_out, native_grad = forward_backward()
+    monkeypatch.setattr(moe, "native_library", lambda: None)
+    torch_out, torch_grad = forward_backward()
+    assert torch.equal(native_out, torch_out)
+    assert torch.equal(native_grad, torch_grad)
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["contiguous", "every other head block"])  # q, and k as a slice of the kv output
+def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monkeypatch):
+    B, S, H, Dh = 3, 7, 4, 16
+    g = torch.Generator().manual_seed(0)
+    rotary = layers.Rotary(Dh, 10_000.0)
+    cos_BSDh, sin_BSDh = rotary.cos_sin(torch.randint(0, 50, (B, S), generator=g))
+    source = torch.randn(B, S, 2, H, Dh, generator=g) if layout != "contiguous" else torch.randn(B, S, H, Dh,
+                                                                                                  generator=g)
+    grad_BSHDh = torch.randn(B, S, H, Dh, generator=g)
+
+    def rotate():
+        leaf = source.clone().requires_grad_()
+        x_BSHDh = leaf[:, :, 0] if layout != "contiguous" else leaf
+        out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh)
+        (out * grad_BSHDh).sum().backward()
+        with torch.no_grad():
+            no_grad_out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh)
+        return out.detach(), no_grad_out, leaf.grad
+
+    native_results = rotate()
+    monkeypatch.setattr(layers, "native_library", lambda: None)
+    torch_results = rotate()
+    for ours, torchs in zip(native_results, torch_results):
+        assert torch.equal(ours, torchs)
+
+
+@needs_native
 @pytest.mark.parametrize("n_experts, top_k, dispatch", [(64, 8, "grouped"), (64, 8, "padded"), (8, 2, "grouped")])
 def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, dispatch, monkeypatch):
     """What a machine without a C compiler runs (torch's kernels everywhere) gives the very numbers the kernels give:
@@ -174,7 +227,7 @@ def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, di
         return [logits, gen.tokens_BS, gen.logprobs_BN, gen.routing.ids_LBSK] + [p.grad for p in model.parameters()]
 
     with_kernels = passes()
-    for module in (moe, cpu_topk, grouped_gemm):
+    for module in (moe, cpu_topk, grouped_gemm, layers):
         monkeypatch.setattr(module, "native_library", lambda: None)
     without_kernels = passes()
     assert all(torch.equal(a, b) for a, b in zip(with_kernels, without_kernels))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
+from moe_rl.model.native import library as native_library
 
 
 class RMSNorm(nn.Module):
@@ -37,20 +38,56 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin), each (B, 1, S, Dh) to broadcast over heads; signed_sin = [-sin, sin] (apply_rotary)."""
+        """(cos, signed_sin), each (B, S, Dh), contiguous; signed_sin = [-sin, sin] (apply_rotary)."""
         angles_BSh = positions_BS.float()[..., None] * self.inv_freq  # (B, S, Dh/2)
         cos_BSh, sin_BSh = angles_BSh.cos(), angles_BSh.sin()
         cos_BSDh = torch.cat([cos_BSh, cos_BSh], dim=-1)
         signed_sin_BSDh = torch.cat([-sin_BSh, sin_BSh], dim=-1)
-        return cos_BSDh[:, None], signed_sin_BSDh[:, None]
+        return cos_BSDh, signed_sin_BSDh
 
 
-def apply_rotary(x_BHSDh: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x) * signed_sin (signed_sin = [-sin, sin]):
-    the same products bit for bit, in fewer ops (this runs twice per layer per decode step)."""
-    x = x_BHSDh.float()
+def apply_rotary(x_BSHDh: torch.Tensor, cos_BSDh: torch.Tensor, signed_sin_BSDh: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over the heads of each token, with rotate_half(x) * sin = roll(x) *
+    signed_sin (signed_sin = [-sin, sin]). In fp32 on CPU one C pass (native_kernels.c, rotate_half), forward and
+    backward, makes the very products and sums of the three torch ops; else the torch ops. Returns (B, S, H, Dh),
+    contiguous."""
+    kernel = native_library() if _native_rotary_serves(x_BSHDh, cos_BSDh) else None
+    if kernel is not None:
+        cos_BSDh, signed_sin_BSDh = cos_BSDh.contiguous(), signed_sin_BSDh.contiguous()
+        if torch.is_grad_enabled() and x_BSHDh.requires_grad:
+            return _NativeRotary.apply(x_BSHDh, cos_BSDh, signed_sin_BSDh)
+        return _rotate(kernel, x_BSHDh, cos_BSDh, signed_sin_BSDh, backward=False)
+    x = x_BSHDh.float()
     rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
-    return (x * cos + rolled * signed_sin).type_as(x_BHSDh)
+    return (x * cos_BSDh[:, :, None] + rolled * signed_sin_BSDh[:, :, None]).type_as(x_BSHDh)
+
+
+def _native_rotary_serves(x_BSHDh: torch.Tensor, cos_BSDh: torch.Tensor) -> bool:
+    return (x_BSHDh.device.type == "cpu" and x_BSHDh.dtype == torch.float32 and cos_BSDh.dtype == torch.float32
+            and x_BSHDh.shape[-1] % 2 == 0 and x_BSHDh.stride(-1) == 1 and x_BSHDh.stride(-2) == x_BSHDh.shape[-1]
+            and x_BSHDh.stride(0) == x_BSHDh.shape[1] * x_BSHDh.stride(1))
+
+
+def _rotate(kernel, x_BSHDh: torch.Tensor, cos_BSDh, signed_sin_BSDh, backward: bool) -> torch.Tensor:
+    B, S, H, Dh = x_BSHDh.shape
+    out_BSHDh = torch.empty(B, S, H, Dh)
+    kernel.rotate_half(x_BSHDh.data_ptr(), B * S, x_BSHDh.stride(1), H, Dh, cos_BSDh.data_ptr(),
+                       signed_sin_BSDh.data_ptr(), int(backward), out_BSHDh.data_ptr())
+    return out_BSHDh
+
+
+class _NativeRotary(torch.autograd.Function):
+    """The rotation with the C kernel both ways; its backward is torch's: g * cos + roll(g * signed_sin, -Dh/2)."""
+
+    @staticmethod
+    def forward(ctx, x_BSHDh, cos_BSDh, signed_sin_BSDh):
+        ctx.save_for_backward(cos_BSDh, signed_sin_BSDh)
+        return _rotate(native_library(), x_BSHDh, cos_BSDh, signed_sin_BSDh, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad_BSHDh):
+        cos_BSDh, signed_sin_BSDh = ctx.saved_tensors
+        return _rotate(native_library(), grad_BSHDh.contiguous(), cos_BSDh, signed_sin_BSDh, backward=True), None, None
 
 
 class SwiGLU(nn.Module):
@@ -103,11 +140,11 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD, cos, sin, mask_B1SP, cache: KVCache | None = None):
         B, S, _ = x_BSD.shape
-        q = self.q(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
+        q = self.q(x_BSD).view(B, S, self.n_heads, self.head_dim)
         kv = self.kv(x_BSD).view(B, S, 2, self.n_kv_heads, self.head_dim)
         k, v = kv.unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, S, Dh)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)  # (B, H, S, Dh)
+        v = v.transpose(1, 2)  # (B, Hkv, S, Dh)
         if cache is not None:
             k, v = cache.append(self.layer_index, k, v)  # (B, Hkv, P, Dh)
         if S == 1 and cache is not None:

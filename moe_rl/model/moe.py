@@ -6,6 +6,7 @@ N = T*K token-slots (one per token and chosen expert).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -68,11 +69,30 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def gather_rows(x_TD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
-    """x_TD[index_N]. Without autograd through x, the embedding kernel copies the rows (about 3x faster than
-    index_select on CPU at 8k rows of 64, the same values); with it, index_select, whose backward is cheaper."""
-    if x_TD.requires_grad and torch.is_grad_enabled():
-        return x_TD.index_select(0, index_N)
-    return F.embedding(index_N, x_TD)
+    """x_TD[index_N]. The embedding kernel copies the rows (about 3x faster than index_select on CPU at 8k rows of
+    64, the same values). With autograd, index_select's backward (an index_add into zeros) is the cheaper one; on CPU
+    in fp32 the C sum (native_kernels.c, add_rows) makes the very same additions, so `_NativeGatherRows` serves."""
+    if not (x_TD.requires_grad and torch.is_grad_enabled()):
+        return F.embedding(index_N, x_TD)
+    if _native_with_grad(x_TD) is not None:
+        return _NativeGatherRows.apply(x_TD, index_N)
+    return x_TD.index_select(0, index_N)
+
+
+class _NativeGatherRows(torch.autograd.Function):
+    """x_TD[index_N] by the embedding kernel; backward: each row's gradients summed into its token in index order,
+    which is index_select's backward (index_add into zeros) bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x_TD, index_N):
+        ctx.save_for_backward(index_N)
+        ctx.n_tokens = x_TD.shape[0]
+        return F.embedding(index_N, x_TD)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (index_N,) = ctx.saved_tensors
+        return _add_rows(native_library(), grad_ND, index_N, ctx.n_tokens), None
 
 
 class SlotLayout(NamedTuple):
@@ -149,20 +169,49 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     pass without autograd (native_kernels.c, add_rows: the additions of index_add, in its order), else index_add."""
     kernel = _native_without_grad(y_RD)
     if kernel is not None:
-        y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
-        out_TD = torch.empty(n_tokens, y_RD.shape[1])
-        if kernel.add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
-                           out_TD.data_ptr()) != 0:
-            raise ValueError(f"a buffer row names a token outside [0, {n_tokens}]")
-        return out_TD
+        return _add_rows(kernel, y_RD, token_R, n_tokens)
+    if _native_with_grad(y_RD) is not None:
+        return _NativeCombineRows.apply(y_RD, token_R, n_tokens)
     out_TD = torch.zeros(n_tokens + 1, y_RD.shape[1], device=y_RD.device, dtype=torch.float32)
     return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
+
+
+def _add_rows(kernel, y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
+    out_TD = torch.empty(n_tokens, y_RD.shape[1])
+    if kernel.add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
+                       out_TD.data_ptr()) != 0:
+        raise ValueError(f"a buffer row names a token outside [0, {n_tokens}]")
+    return out_TD
+
+
+class _NativeCombineRows(torch.autograd.Function):
+    """combine_rows with autograd: the C sum forward; backward, each row's token's gradient (zeros for padding
+    rows), the copies index_add's backward (an index_select of the gradient) makes."""
+
+    @staticmethod
+    def forward(ctx, y_RD, token_R, n_tokens: int):
+        ctx.save_for_backward(token_R)
+        return _add_rows(native_library(), y_RD, token_R, n_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (token_R,) = ctx.saved_tensors
+        grad_with_padding_TD = torch.cat([grad_TD, grad_TD.new_zeros(1, grad_TD.shape[1])])
+        return F.embedding(token_R, grad_with_padding_TD), None, None
 
 
 def _native_without_grad(*tensors: torch.Tensor):
     """The C kernels, where they may stand in for torch: CPU fp32 tensors and no autograd through them."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    return native_library()
+
+
+def _native_with_grad(*tensors: torch.Tensor):
+    """The C kernels inside the autograd Functions that wrap them: CPU fp32 tensors."""
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     return native_library()
@@ -369,6 +418,7 @@ class MoEFeedForward(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.dispatch)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.d_shared_expert) if cfg.d_shared_expert else None
         self.routing_session = None  # set only inside a moe_rl.routing session
+        self.z_loss_in_graph = cfg.z_loss_coef != 0  # at coefficient 0 the z-loss is logged, not differentiated
 
     @property
     def n_experts(self) -> int:
@@ -397,5 +447,8 @@ class MoEFeedForward(nn.Module):
             return y_TD.view(B, S, D), None, None
         valid_T = valid_BS.reshape(-1)
         lb_loss = load_balancing_loss(routing.scores_TE, routing.ids_TK, valid_T)
-        z_loss = router_z_loss(routing.logits_TE, valid_T)
+        # A z-loss with coefficient 0 adds only zeros to the router's gradient; its backward (an exp and a product
+        # over every token and expert of every layer) is skipped.
+        with contextlib.nullcontext() if self.z_loss_in_graph else torch.no_grad():
+            z_loss = router_z_loss(routing.logits_TE, valid_T)
         return y_TD.view(B, S, D), lb_loss, z_loss

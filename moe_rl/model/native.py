@@ -1,9 +1,10 @@
 """moe-rl's C kernels (native_kernels.c beside this file): built once per machine, loaded with ctypes.
 
 The kernels serve the routing hot path on CPU: the router's top-k, sorting token-slots by expert, gathering the
-experts' input rows and adding up their outputs (without autograd), and setting up the experts' MKL batch products.
-Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so whether they
-are used changes speed only.
+experts' input rows and adding up their outputs (the sums also as the backward of the gather, inside autograd
+Functions in moe.py), setting up the experts' MKL batch products, and the rotary embedding forward and backward
+(layers.py). Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so
+whether they are used changes speed only.
 
 The source is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into a user cache folder
 ($XDG_CACHE_HOME or ~/.cache, then moe-rl/), under a name that hashes the source and the compiler flags, so an edited
@@ -36,6 +37,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "expert_sgemm": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
     "add_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
+    "rotate_half": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR],
 }
 
 

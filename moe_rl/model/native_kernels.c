@@ -1,9 +1,9 @@
-/* moe-rl's CPU kernels for the routing hot path, loaded with ctypes by moe_rl/model/native.py.
+/* moe-rl's CPU kernels for the routing hot path (and the rotary embedding), loaded with ctypes by
+   moe_rl/model/native.py.
 
    Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, adds in the order
-   torch adds, or hands the arithmetic to MKL's own GEMM): routing decisions, traces and every number downstream stay
-   those of torch. They
-   exist because at the paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general
+   torch adds, multiplies and adds element by element with torch's roundings, or hands the arithmetic to MKL's own
+   GEMM): routing decisions, traces and every number downstream stay those of torch. They exist because at the paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general
    kernels spend most of their time on set-up, branches and temporary buffers, once per layer and call. */
 
 #include <stdint.h>
@@ -233,6 +233,42 @@ int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_tok
         float *sum = out + t * d;
         const float *add = y + r * d;
         for (int64_t j = 0; j < d; ++j) sum[j] += add[j];
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   rotary position embedding, rotate-half layout
+
+   x (rows, heads, dh), its rows row_stride floats apart and each row's heads contiguous; cos and signed_sin (rows,
+   dh), one row per row of x, broadcast over its heads; out (rows, heads, dh) contiguous. half = dh / 2 and
+   j' = (j + half) % dh, the partner of column j. Forward: out[j] = x[j] * cos[j] + x[j'] * signed_sin[j], torch's
+   x * cos + roll(x, half) * signed_sin. Backward (of that, for the gradient g of out): out[j] = g[j] * cos[j] +
+   g[j'] * signed_sin[j'], torch's g * cos + roll(g * signed_sin, -half), the two terms autograd adds for the two
+   uses of x. Two products and one sum per element, each rounded once (no fused multiply-add), as torch's three
+   elementwise ops round them. Returns 0, or -1 for an odd dh. */
+
+int64_t rotate_half(const float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dh, const float *cos,
+                    const float *signed_sin, int64_t backward, float *out)
+{
+    if (dh % 2 != 0) return -1;
+    int64_t half = dh / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * dh, *s = signed_sin + r * dh;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *xh = x + r * row_stride + h * dh;
+            float *oh = out + (r * heads + h) * dh;
+            for (int64_t j = 0; j < half; ++j) {  /* partner j + half */
+                float direct = xh[j] * c[j];
+                float partner = backward ? xh[j + half] * s[j + half] : xh[j + half] * s[j];
+                oh[j] = direct + partner;
+            }
+            for (int64_t j = half; j < dh; ++j) {  /* partner j - half */
+                float direct = xh[j] * c[j];
+                float partner = backward ? xh[j - half] * s[j - half] : xh[j - half] * s[j];
+                oh[j] = direct + partner;
+            }
+        }
     }
     return 0;
 }

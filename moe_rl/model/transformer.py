@@ -96,7 +96,8 @@ class MoETransformer(nn.Module):
         full_causal = cache is None and bool(valid_BP.all())
         if S == 1:  # a decode step: the same position and mask from a sum and a copy instead of P-wide scans
             cos, sin = self.rotary.cos_sin(last_positions(valid_BP))
-            mask_B1SP = None if full_causal else decode_mask(valid_BP)
+            # A single query at the last position sees every key: without padding no mask is needed at all.
+            mask_B1SP = None if full_causal or bool(valid_BP.all()) else decode_mask(valid_BP)
         else:
             cos, sin = self.rotary.cos_sin(positions_from_mask(valid_BP)[:, -S:])
             mask_B1SP = None if full_causal else attention_mask(valid_BP, S)
