@@ -51,7 +51,7 @@ reproduce-all: reproduce
 	$(BIN)/moe-rl sweep stress --workers $(WORKERS)
 	$(BIN)/moe-rl report sweeps/stress --out results/stress --last-k 5
 
-# Speed and overhead benchmarks (scripts, not tests; about 10 min on 2 cores); they write results/bench/*.md and *.csv.
+# Speed and overhead benchmarks (scripts, not tests; a few minutes); they write results/bench/*.md and *.csv.
 bench: install
 	$(BIN)/python -m benchmarks.bench_model
 	$(BIN)/python -m benchmarks.bench_step
