@@ -4,6 +4,7 @@ their sums and the rotary embedding give the torch code's numbers with and witho
 once per machine. The MKL set-up kernel is checked in test_grouped_gemm.py."""
 
 import ctypes
+import subprocess
 
 import pytest
 import torch
@@ -87,6 +88,20 @@ def test_build_compiles_once_into_the_cache_folder(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "moe-rl").iterdir()] == [library.name]  # no build folder left behind
     loaded = ctypes.CDLL(str(library))
     assert loaded.topk_rows and loaded.sort_slots and loaded.expert_sgemm
+
+
+@needs_native
+def test_a_flag_set_the_compiler_refuses_falls_back_to_the_next(tmp_path, monkeypatch):
+    """As on a toolchain without function multi-versioning: the first flag set fails, leaves a marker, and the
+    library is built from the next; a later build goes straight to it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    refused = (*native.FLAGS, "-fno-such-flag-moe-rl")
+    library = native.build((refused, native.ONE_VERSION_FLAGS))
+    assert library.exists() and ctypes.CDLL(str(library)).rotate_half
+    assert sorted(p.suffix for p in (tmp_path / "moe-rl").iterdir()) == [".failed", ".so"]
+    assert native.build((refused, native.ONE_VERSION_FLAGS)) == library
+    with pytest.raises(subprocess.CalledProcessError):
+        native.build((refused,))
 
 
 @pytest.mark.parametrize("tokens, experts, k", [(1, 8, 2), (64, 8, 2), (704, 128, 8), (300, 300, 4), (5, 128, 8)])

@@ -29,6 +29,8 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # CPUs where FMA is baseline too); no -march=native: the cache folder may be shared by machines with different CPUs
 # (a cluster's home directory).
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+# A toolchain without function multi-versioning (native_kernels.c, WIDEST_VECTORS) builds one baseline version.
+ONE_VERSION_FLAGS = (*FLAGS, "-DMOE_RL_ONE_VERSION")
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or count)
@@ -57,23 +59,36 @@ def library() -> ctypes.CDLL | None:
     return loaded
 
 
-def build() -> Path:
-    """Compile the kernels unless this exact source was built with these flags before. Concurrent processes (sweep
-    workers) each build into a private folder and rename the result into place, so none loads a half-written
-    library."""
+def build(flag_sets: tuple[tuple[str, ...], ...] = (FLAGS, ONE_VERSION_FLAGS)) -> Path:
+    """Compile the kernels unless this exact source was built with these flags before: with the first flag set the
+    compiler accepts (a failed one leaves a marker, so later processes skip it). Concurrent processes (sweep workers)
+    each build into a private folder and rename the result into place, so none loads a half-written library."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl"
-    built_library = cache / f"native_{digest}.so"
-    if built_library.exists():
-        return built_library
+    source = SOURCE.read_bytes()
+    for number, flags in enumerate(flag_sets, start=1):
+        built_library = cache / f"native_{hashlib.sha256(source + ' '.join(flags).encode()).hexdigest()[:16]}.so"
+        failed = built_library.with_suffix(".failed")
+        if built_library.exists():
+            return built_library
+        if failed.exists() and number < len(flag_sets):
+            continue
+        try:
+            _compile(compiler, flags, cache, built_library)
+            return built_library
+        except subprocess.CalledProcessError:
+            if number == len(flag_sets):
+                raise
+            failed.touch()
+    raise OSError("no flag set to build with")
+
+
+def _compile(compiler: str, flags: tuple[str, ...], cache: Path, built_library: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as folder:
         private = Path(folder) / "native.so"
-        subprocess.run([compiler, *FLAGS, "-o", str(private), str(SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, "-o", str(private), str(SOURCE)], check=True, capture_output=True,
                        timeout=120)
         os.replace(private, built_library)
-    return built_library

@@ -10,6 +10,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The elementwise loops (row sums, the rotary embedding) are compiled for AVX-512, AVX2 and the baseline, and the
+   loader picks the widest the CPU has (GCC/clang function multi-versioning; Linux on x86-64 only; native.py builds
+   without it, -DMOE_RL_ONE_VERSION, where a toolchain refuses it). With
+   -ffp-contract=off no version fuses a multiply and an add, so all of them round each product and each sum once:
+   the same numbers at every width. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(MOE_RL_ONE_VERSION)
+#define WIDEST_VECTORS __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define WIDEST_VECTORS
+#endif
+
 /* ---------------------------------------------------------------------------------------------------------------
    top-k of each row
 
@@ -223,6 +235,7 @@ int64_t expert_rows(const float *x, int64_t tokens, int64_t d, const int64_t *to
    `tokens` (padding) are left out. Each element sees the additions torch's index_add makes, in the same order, so the
    sums are its sums bit for bit. Returns 0, or -1 if a row's token lies outside [0, tokens]. */
 
+WIDEST_VECTORS
 int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_token, int64_t tokens, float *out)
 {
     memset(out, 0, tokens * d * sizeof(float));
@@ -248,6 +261,7 @@ int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_tok
    uses of x. Two products and one sum per element, each rounded once (no fused multiply-add), as torch's three
    elementwise ops round them. Returns 0, or -1 for an odd dh. */
 
+WIDEST_VECTORS
 int64_t rotate_half(const float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dh, const float *cos,
                     const float *signed_sin, int64_t backward, float *out)
 {
