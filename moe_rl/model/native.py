@@ -27,7 +27,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # -O3 for the vectorised group maxima of the top-k; no fused multiply-adds (the sums must be torch's additions, on
 # CPUs where FMA is baseline too); no -march=native: the cache folder may be shared by machines with different CPUs
-# (a cluster's home directory).
+# (a cluster's home directory), so wider vectors come from per-function versions picked at load time instead.
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 # A toolchain without function multi-versioning (native_kernels.c, WIDEST_VECTORS) builds one baseline version.
 ONE_VERSION_FLAGS = (*FLAGS, "-DMOE_RL_ONE_VERSION")
