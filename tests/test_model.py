@@ -193,7 +193,7 @@ def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbe
                        decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
 
 
-def test_z_loss_at_coefficient_zero_is_logged_but_adds_nothing_to_the_gradients():
+def test_z_loss_at_coefficient_zero_is_returned_but_adds_nothing_to_the_gradients():
     """With z_loss_coef = 0 the z-loss is computed without autograd (its backward would add zeros); the gradients are
     those of the loss with the z-loss in the graph, and with a coefficient it is in the graph."""
     ids, valid = torch.randint(0, 40, (3, 10)), torch.ones(3, 10, dtype=torch.bool)

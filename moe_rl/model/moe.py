@@ -178,7 +178,7 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
 
 def _add_rows(kernel, y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
     y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
-    out_TD = torch.empty(n_tokens, y_RD.shape[1])
+    out_TD = torch.empty(n_tokens, y_RD.shape[1], dtype=torch.float32)
     if kernel.add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
                        out_TD.data_ptr()) != 0:
         raise ValueError(f"a buffer row names a token outside [0, {n_tokens}]")
@@ -223,7 +223,8 @@ def _native_expert_rows(kernel, x_TD, weights_TK, slots: SlotLayout, block_rows_
     n_rows = slots.token_N.numel() if block_rows_E is None else int(block_rows_E.sum())
     if block_rows_E is not None:
         block_rows_E = block_rows_E.to(torch.int64).contiguous()
-    x_RD, token_R, weight_R = torch.empty(n_rows, D), torch.empty(n_rows, dtype=torch.int64), torch.empty(n_rows)
+    x_RD, token_R, weight_R = (torch.empty(n_rows, D, dtype=torch.float32), torch.empty(n_rows, dtype=torch.int64),
+                                 torch.empty(n_rows, dtype=torch.float32))
     written = kernel.expert_rows(x_TD.data_ptr(), T, D, slots.token_N.data_ptr(), slots.order_N.data_ptr(),
                                  slots.token_N.numel(), weights_TK.data_ptr(), slots.counts_E.data_ptr(),
                                  None if block_rows_E is None else block_rows_E.data_ptr(), E, x_RD.data_ptr(),
@@ -418,7 +419,7 @@ class MoEFeedForward(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.dispatch)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.d_shared_expert) if cfg.d_shared_expert else None
         self.routing_session = None  # set only inside a moe_rl.routing session
-        self.z_loss_in_graph = cfg.z_loss_coef != 0  # at coefficient 0 the z-loss is logged, not differentiated
+        self.z_loss_in_graph = cfg.z_loss_coef != 0  # at coefficient 0 it is returned, not differentiated
 
     @property
     def n_experts(self) -> int:
