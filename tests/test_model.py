@@ -193,22 +193,23 @@ def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbe
                        decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
 
 
-def test_z_loss_at_coefficient_zero_is_returned_but_adds_nothing_to_the_gradients():
-    """With z_loss_coef = 0 the z-loss is computed without autograd (its backward would add zeros); the gradients are
-    those of the loss with the z-loss in the graph, and with a coefficient it is in the graph."""
+def test_z_loss_at_coefficient_zero_is_skipped_without_changing_the_loss_or_gradients():
+    """With z_loss_coef = 0 the z-loss is not computed (it would add 0 to the loss and zeros to the gradients): the
+    loss and gradients are those of the model that computes it, bit for bit; with a coefficient it is computed."""
     ids, valid = torch.randint(0, 40, (3, 10)), torch.ones(3, 10, dtype=torch.bool)
 
-    def grads(model):
+    def loss_and_grads(model):
         out = model(ids, valid)
-        (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
-        return out.z_loss, [p.grad for p in model.parameters()]
+        loss = out.logits_BSV.logsumexp(-1).mean() + out.aux_loss
+        loss.backward()
+        return out, loss.detach(), [p.grad for p in model.parameters()]
 
-    z_off, grads_off = grads(tiny_model())
-    in_graph = tiny_model()
-    for layer in in_graph.moe_layers():
-        layer.z_loss_in_graph = True
-    z_in, grads_in = grads(in_graph)
-    assert not z_off.requires_grad and z_in.requires_grad
-    assert torch.equal(z_off, z_in.detach()) and z_off > 0
-    assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_in))
+    skipped, loss_skipped, grads_skipped = loss_and_grads(tiny_model())
+    computing = tiny_model()
+    for layer in computing.moe_layers():
+        layer.computes_z_loss = True
+    computed, loss_computed, grads_computed = loss_and_grads(computing)
+    assert skipped.z_loss is None and computed.z_loss > 0
+    assert torch.equal(loss_skipped, loss_computed)
+    assert all(torch.equal(a, b) for a, b in zip(grads_skipped, grads_computed))
     assert tiny_model(z_loss_coef=1e-3)(ids, valid).z_loss.requires_grad

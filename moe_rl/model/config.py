@@ -68,8 +68,8 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
     """Coefficient of the Switch-Transformer load-balancing loss E * sum_e f_e * P_e (mean over MoE layers)."""
     z_loss_coef: float = 0.0
-    """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE). At 0 the model still returns the
-    z-loss, computed outside the autograd graph."""
+    """Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE). At 0 it is not computed (it would
+    add zero to the loss and to every gradient)."""
     dispatch: Literal[DISPATCH_MODES] = "grouped"  # the tuple spells the choices; --help lists them
     """Expert dispatch: 'grouped' (sort token-slots by expert; per call the faster of grouped_mm and padded for the
     shape), 'loop' (per-expert reference), or force one kernel: 'grouped_mm' or 'padded' (batched matmul)."""

@@ -6,7 +6,6 @@ N = T*K token-slots (one per token and chosen expert).
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -419,7 +418,7 @@ class MoEFeedForward(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.dispatch)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.d_shared_expert) if cfg.d_shared_expert else None
         self.routing_session = None  # set only inside a moe_rl.routing session
-        self.z_loss_in_graph = cfg.z_loss_coef != 0  # at coefficient 0 it is returned, not differentiated
+        self.computes_z_loss = cfg.z_loss_coef != 0  # at coefficient 0 it would add only zeros: not computed
 
     @property
     def n_experts(self) -> int:
@@ -432,7 +431,8 @@ class MoEFeedForward(nn.Module):
     def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor):
         """Returns (y_BSD, load-balancing loss, z-loss).
 
-        The losses count valid (non-padding) tokens only and are None when gradients are off.
+        The losses count valid (non-padding) tokens only and are None when gradients are off (the z-loss also at
+        z_loss_coef 0).
         """
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
@@ -448,8 +448,7 @@ class MoEFeedForward(nn.Module):
             return y_TD.view(B, S, D), None, None
         valid_T = valid_BS.reshape(-1)
         lb_loss = load_balancing_loss(routing.scores_TE, routing.ids_TK, valid_T)
-        # A z-loss with coefficient 0 adds only zeros to the router's gradient; its backward (an exp and a product
-        # over every token and expert of every layer) is skipped.
-        with contextlib.nullcontext() if self.z_loss_in_graph else torch.no_grad():
-            z_loss = router_z_loss(routing.logits_TE, valid_T)
+        # With coefficient 0 the z-loss adds zero to the loss and zeros to the router's gradient, at the price of a
+        # logsumexp over every token and expert of every layer and its backward: None instead.
+        z_loss = router_z_loss(routing.logits_TE, valid_T) if self.computes_z_loss else None
         return y_TD.view(B, S, D), lb_loss, z_loss

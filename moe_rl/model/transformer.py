@@ -31,7 +31,7 @@ class ModelOutput(NamedTuple):
     logits_BSV: torch.Tensor
     aux_loss: torch.Tensor | None  # aux_loss_coef * lb_loss + z_loss_coef * z_loss; None without grad
     lb_loss: torch.Tensor | None  # load-balancing loss, mean over MoE layers
-    z_loss: torch.Tensor | None  # router z-loss, mean over MoE layers
+    z_loss: torch.Tensor | None  # router z-loss, mean over MoE layers; None without grad or at z_loss_coef 0
 
 
 class Block(nn.Module):
@@ -108,6 +108,7 @@ class MoETransformer(nn.Module):
             x_BSD, lb_loss, z_loss = block(x_BSD, cos, sin, mask_B1SP, valid_BS, cache)
             if lb_loss is not None:
                 lb_losses.append(lb_loss)
+            if z_loss is not None:
                 z_losses.append(z_loss)
         if cache is not None:
             cache.advance(S)
@@ -118,6 +119,8 @@ class MoETransformer(nn.Module):
         if not lb_losses:
             return None, None, None
         lb_loss = torch.stack(lb_losses).mean()
+        if not z_losses:  # z_loss_coef 0: adding 0 * z_loss would change no bit of the loss or its gradient
+            return self.cfg.aux_loss_coef * lb_loss, lb_loss, None
         z_loss = torch.stack(z_losses).mean()
         return self.cfg.aux_loss_coef * lb_loss + self.cfg.z_loss_coef * z_loss, lb_loss, z_loss
 
