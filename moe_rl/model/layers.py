@@ -71,8 +71,9 @@ def _native_rotary_serves(x_BSHDh: torch.Tensor, cos_BSDh: torch.Tensor) -> bool
 def _rotate(kernel, x_BSHDh: torch.Tensor, cos_BSDh, signed_sin_BSDh, backward: bool) -> torch.Tensor:
     B, S, H, Dh = x_BSHDh.shape
     out_BSHDh = torch.empty(B, S, H, Dh, dtype=torch.float32)
-    kernel.rotate_half(x_BSHDh.data_ptr(), B * S, x_BSHDh.stride(1), H, Dh, cos_BSDh.data_ptr(),
-                       signed_sin_BSDh.data_ptr(), int(backward), out_BSHDh.data_ptr())
+    if kernel.rotate_half(x_BSHDh.data_ptr(), B * S, x_BSHDh.stride(1), H, Dh, cos_BSDh.data_ptr(),
+                          signed_sin_BSDh.data_ptr(), int(backward), out_BSHDh.data_ptr()) != 0:
+        raise ValueError(f"the rotary embedding needs an even head dim; got {Dh}")
     return out_BSHDh
 
 

@@ -3,8 +3,9 @@
 
    Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, adds in the order
    torch adds, multiplies and adds element by element with torch's roundings, or hands the arithmetic to MKL's own
-   GEMM): routing decisions, traces and every number downstream stay those of torch. They exist because at the paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general
-   kernels spend most of their time on set-up, branches and temporary buffers, once per layer and call. */
+   GEMM): routing decisions, traces and every number downstream stay those of torch. They exist because at the
+   paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general kernels spend most of
+   their time on set-up, branches and temporary buffers, once per layer and call. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,9 +13,8 @@
 
 /* The elementwise loops (row sums, the rotary embedding) are compiled for AVX-512, AVX2 and the baseline, and the
    loader picks the widest the CPU has (GCC/clang function multi-versioning; Linux on x86-64 only; native.py builds
-   without it, -DMOE_RL_ONE_VERSION, where a toolchain refuses it). With
-   -ffp-contract=off no version fuses a multiply and an add, so all of them round each product and each sum once:
-   the same numbers at every width. */
+   without it, -DMOE_RL_ONE_VERSION, where a toolchain refuses it). With -ffp-contract=off no version fuses a
+   multiply and an add, so all of them round each product and each sum once: the same numbers at every width. */
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(MOE_RL_ONE_VERSION)
 #define WIDEST_VECTORS __attribute__((target_clones("avx512f", "avx2", "default")))
