@@ -181,16 +181,34 @@ def test_decode_step_mask_and_position_equal_the_full_ones():
     torch.testing.assert_close(step_BV, full_BV, rtol=1e-5, atol=1e-5)
 
 
-def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbers():
-    """Without padding the single query's mask would be all true: the step runs without it, to the same bits."""
-    from moe_rl.model.layers import decode_attention
+def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbers(monkeypatch):
+    """A decode step whose rows have no padding runs attention without a mask (an all-true one would change nothing),
+    to the same bits as with the mask; a step with padding keeps its mask."""
+    from moe_rl.model import layers
 
-    g = torch.Generator().manual_seed(0)
-    q_BH1Dh, k_BGPDh, v_BGPDh = (torch.randn(*shape, generator=g) for shape in ((5, 4, 1, 8), (5, 2, 9, 8),
-                                                                                (5, 2, 9, 8)))
-    all_true_B11P = torch.ones(5, 1, 1, 9, dtype=torch.bool)
-    assert torch.equal(decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, None),
-                       decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
+    masks, masked_attention = [], layers.decode_attention
+
+    def attention_checking_the_mask(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P):
+        masks.append(mask_B11P)
+        out = masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
+        if mask_B11P is None:
+            all_true_B11P = torch.ones(k_BGPDh.shape[0], 1, 1, k_BGPDh.shape[2], dtype=torch.bool)
+            assert torch.equal(out, masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
+        return out
+
+    monkeypatch.setattr(layers, "decode_attention", attention_checking_the_mask)
+    model = tiny_model().eval()
+    ids_BS = torch.randint(3, 20, (4, 9))
+    for padded in (False, True):
+        valid_BS = torch.ones(4, 9, dtype=torch.bool)
+        valid_BS[1, :3] = not padded  # left padding in row 1
+        masks.clear()
+        with torch.no_grad():
+            cache = model.new_cache(4, 16)
+            model(ids_BS[:, :8], valid_BS[:, :8], cache)
+            model(ids_BS[:, 8:], valid_BS, cache)
+        assert len(masks) == model.cfg.n_layers
+        assert all((mask is None) == (not padded) for mask in masks)
 
 
 def test_z_loss_at_coefficient_zero_is_skipped_without_changing_the_loss_or_gradients():

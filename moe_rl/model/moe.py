@@ -73,7 +73,7 @@ def gather_rows(x_TD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
     in fp32 the C sum (native_kernels.c, add_rows) makes the very same additions, so `_NativeGatherRows` serves."""
     if not (x_TD.requires_grad and torch.is_grad_enabled()):
         return F.embedding(index_N, x_TD)
-    if _native_with_grad(x_TD) is not None:
+    if _native_for(x_TD) is not None:
         return _NativeGatherRows.apply(x_TD, index_N)
     return x_TD.index_select(0, index_N)
 
@@ -169,7 +169,7 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     kernel = _native_without_grad(y_RD)
     if kernel is not None:
         return _add_rows(kernel, y_RD, token_R, n_tokens)
-    if _native_with_grad(y_RD) is not None:
+    if _native_for(y_RD) is not None:
         return _NativeCombineRows.apply(y_RD, token_R, n_tokens)
     out_TD = torch.zeros(n_tokens + 1, y_RD.shape[1], device=y_RD.device, dtype=torch.float32)
     return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
@@ -201,16 +201,14 @@ class _NativeCombineRows(torch.autograd.Function):
 
 
 def _native_without_grad(*tensors: torch.Tensor):
-    """The C kernels, where they may stand in for torch: CPU fp32 tensors and no autograd through them."""
+    """The C kernels, where they may stand in for torch directly: CPU fp32 tensors and no autograd through them."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    return native_library()
+    return _native_for(*tensors)
 
 
-def _native_with_grad(*tensors: torch.Tensor):
-    """The C kernels inside the autograd Functions that wrap them: CPU fp32 tensors."""
+def _native_for(*tensors: torch.Tensor):
+    """The C kernels for CPU fp32 tensors (with autograd, inside the Functions that wrap them), else None."""
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     return native_library()
