@@ -152,7 +152,6 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
               generator, record: bool, use_cache: bool) -> Generation:
     ids_BP, valid_BP = left_align(prompt_ids_BP, prompt_valid_BP.bool())
     B, P = ids_BP.shape
-    cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
     # Preallocated to the longest generation, so a step writes one column instead of copying the sequence;
     # the first `length` columns are the sequence so far.
     tokens_BW = torch.cat([ids_BP, ids_BP.new_full((B, cfg.max_new_tokens), pad_id)], dim=1)
@@ -161,6 +160,8 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     logprobs = []
     with record_routing(model) if record and use_cache else nullcontext() as recorder, \
             sampler_autocast(ids_BP.device, cfg.precision):
+        # Made in the sampler's precision: its key layout follows whether the C decode attention serves it.
+        cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
         logits_BV = model(ids_BP, valid_BP, cache).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
             next_B, logp_B = sample_next(logits_BV, cfg, generator)

@@ -1,14 +1,15 @@
 """The C kernels of the routing hot path (moe_rl/model/native.py): the router's top-k gives torch.topk's indices on
 every row (including the rows it hands back to torch.topk), the slot sort gives torch's stable argsort, the expert rows,
 their sums and the rotary embedding give the torch code's numbers with and without autograd, and the library is built
-once per machine. The MKL set-up kernel is checked in test_grouped_gemm.py."""
+once per machine. The fp32 sampler's decode attention agrees with torch's to fp32 rounding, and the bf16 sampler never
+uses it. The MKL set-up kernel is checked in test_grouped_gemm.py."""
 
 import ctypes
 import subprocess
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 
 from moe_rl.model import cpu_topk, grouped_gemm, layers, moe, native
 from moe_rl.model.cpu_topk import topk_indices
@@ -224,7 +225,8 @@ def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monk
 @pytest.mark.parametrize("n_experts, top_k, dispatch", [(64, 8, "grouped"), (64, 8, "padded"), (8, 2, "grouped")])
 def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, dispatch, monkeypatch):
     """What a machine without a C compiler runs (torch's kernels everywhere) gives the very numbers the kernels give:
-    no-grad logits, sampled tokens, log-probs and routing, and a training step's gradients."""
+    no-grad logits, sampled tokens, log-probs and routing, and a training step's gradients. (Head dim 8: the fp32
+    sampler's decode attention kernel, which agrees to rounding only, does not serve; it is tested below.)"""
 
     model = tiny_model(n_experts=n_experts, top_k=top_k, dispatch=dispatch)
     ids_BS = torch.randint(3, 40, (6, 11))
@@ -253,3 +255,71 @@ def test_the_kernels_can_be_switched_off(monkeypatch):
     its undecorated body is what a fresh process would run)."""
     monkeypatch.setenv("MOE_RL_NATIVE", "0")
     assert native.library.__wrapped__() is None
+
+
+# --- the sampler's decode attention ------------------------------------------------------------------------------
+
+
+def _decode_inputs(B, H, G, Dh, P, max_len, seed=0):
+    """q (B, H, 1, Dh); (keys, values) of P positions as a cache of each key layout returns them; a padding mask."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = tiny_config(d_model=H * Dh, n_heads=H, n_kv_heads=G, n_layers=1)
+    k_BGPDh, v_BGPDh = torch.randn(B, G, P, Dh, generator=g), torch.randn(B, G, P, Dh, generator=g)
+    views = []
+    for transposed in (False, True):
+        cache = layers.KVCache(cfg, B, max_len, "cpu", torch.float32, keys_transposed=transposed)
+        keys, values = cache.append(0, k_BGPDh, v_BGPDh)
+        assert torch.equal(keys, k_BGPDh) and torch.equal(values, v_BGPDh)  # either layout returns the same keys
+        views.append((keys, values))
+    q_BH1Dh = torch.randn(B, 1, H, Dh, generator=g).mul(2).transpose(1, 2)  # as Attention makes it
+    valid_BP = torch.ones(B, P, dtype=torch.bool)
+    valid_BP[1 % B, : P // 2] = False  # left padding
+    valid_BP[-1, :] = False  # a row whose query sees only itself
+    return q_BH1Dh, views[0], views[1], layers.decode_mask(valid_BP)
+
+
+@needs_native
+@pytest.mark.parametrize("B, H, G, Dh, P, max_len", [(64, 4, 2, 16, 48, 80), (5, 4, 2, 16, 17, 17), (3, 8, 2, 32, 16, 16),
+                                                     (4, 4, 4, 64, 100, 130), (2, 6, 1, 16, 1, 5), (7, 4, 2, 48, 33, 40)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, max_len, masked, monkeypatch):
+    """Positions on both sides of the 16-lane blocks, grouped and plain heads, head dims 16 to 64, padding rows and a
+    row that sees one key: the kernel's output is as close to a float64 reference as torch's two-matmul path is."""
+    q_BH1Dh, (k_BGPDh, v_BGPDh), (kt_BGPDh, vt_BGPDh), mask_B11P = _decode_inputs(B, H, G, Dh, P, max_len)
+    mask_B11P = mask_B11P if masked else None
+    kernel, calls = layers._native_decode_attention, []
+    monkeypatch.setattr(layers, "_native_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    with torch.inference_mode():
+        ours = layers.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P)
+        torchs = layers.decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
+        exact = layers.decode_attention(q_BH1Dh.double(), k_BGPDh.double(), v_BGPDh.double(), mask_B11P)
+    assert calls == [1], "the transposed cache must go to the kernel, the plain one to torch"
+    torch_error = (torchs.double() - exact).abs().max().item()
+    our_error = (ours.double() - exact).abs().max().item()
+    assert our_error <= max(2 * torch_error, 1e-6), (our_error, torch_error)
+
+
+@needs_native
+def test_only_the_fp32_sampler_uses_the_decode_kernel(monkeypatch):
+    """The emulated bf16 engine samples under autocast: its cache keeps the plain key layout and its numbers are
+    torch's attention's, bit for bit, whether the kernel exists or not. The fp32 sampler at the same head dim uses it."""
+    model = tiny_model(d_model=64).eval()  # head dim 16, which the kernel serves
+    ids_BS = torch.randint(3, 40, (6, 7))
+    valid_BS = torch.ones_like(ids_BS, dtype=torch.bool)
+    valid_BS[2, :3] = False
+    kernel, calls = layers._native_decode_attention, []
+    monkeypatch.setattr(layers, "_native_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+
+    def sample(precision: str):
+        gen = generate(model, ids_BS, valid_BS, SamplingConfig(max_new_tokens=8, precision=precision), eos_id=2,
+                       pad_id=0, generator=torch.Generator().manual_seed(0), record=True)
+        return [gen.tokens_BS, gen.logprobs_BN, gen.routing.ids_LBSK]
+
+    sample("trainer")
+    assert len(calls) == 7 * model.cfg.n_layers  # every decode step of every layer
+    calls.clear()
+    bf16 = sample("bf16")
+    assert calls == []
+    for module in (moe, cpu_topk, grouped_gemm, layers):
+        monkeypatch.setattr(module, "native_library", lambda: None)
+    assert all(torch.equal(a, b) for a, b in zip(bf16, sample("bf16")))

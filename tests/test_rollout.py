@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from moe_rl.errors import ConfigError
+from moe_rl.model import native
 from moe_rl.rollout import SamplingConfig, generate, left_align, sample_next
 from moe_rl.routing import churn_stats, record_routing
 
@@ -26,8 +27,19 @@ def _generate(model, ids, valid, seed=1, **kw):
     return generate(model, ids, valid, cfg, eos_id=EOS, pad_id=PAD, generator=g, **kw)
 
 
-def test_kv_cache_gives_the_same_next_token_distributions_as_a_full_forward():
-    model = tiny_model().eval()
+# Head dim 8: decode attention through torch's matmuls; 16: the C kernel over a cache with transposed keys.
+DECODE_PATHS = pytest.mark.parametrize("head_dim", [8, 16], ids=["torch decode", "C decode"])
+
+
+def _model_for(head_dim: int):
+    model = tiny_model(d_model=4 * head_dim).eval()
+    assert model.new_cache(1, 4).keys_transposed == (head_dim == 16 and native.library() is not None)
+    return model
+
+
+@DECODE_PATHS
+def test_kv_cache_gives_the_same_next_token_distributions_as_a_full_forward(head_dim):
+    model = _model_for(head_dim)
     ids, valid = _prompts()
     out = _generate(model, ids, valid, record=True)
     cache = model.new_cache(ids.shape[0], out.tokens_BS.shape[1])
@@ -45,8 +57,9 @@ def test_kv_cache_gives_the_same_next_token_distributions_as_a_full_forward():
             )
 
 
-def test_sampler_logprobs_equal_a_full_forward_and_routing_trace_matches():
-    model = tiny_model().eval()
+@DECODE_PATHS
+def test_sampler_logprobs_equal_a_full_forward_and_routing_trace_matches(head_dim):
+    model = _model_for(head_dim)
     ids, valid = _prompts()
     out = _generate(model, ids, valid, record=True)
     with torch.no_grad(), record_routing(model) as rec:
@@ -61,8 +74,9 @@ def test_sampler_logprobs_equal_a_full_forward_and_routing_trace_matches():
     assert (out.logprobs_BN[~mask] == 0).all()
 
 
-def test_cached_and_uncached_sampling_draw_the_same_tokens():
-    model = tiny_model().eval()
+@DECODE_PATHS
+def test_cached_and_uncached_sampling_draw_the_same_tokens(head_dim):
+    model = _model_for(head_dim)
     ids, valid = _prompts()
     cached = _generate(model, ids, valid, record=True)
     uncached = _generate(model, ids, valid, record=True, use_cache=False)

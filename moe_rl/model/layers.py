@@ -104,12 +104,25 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class KVCache:
-    """Preallocated keys and values for every layer; `length` positions are filled."""
+# Positions per vector of the C decode attention (native_kernels.c): rows of transposed keys are padded to a multiple.
+DECODE_KERNEL_LANES = 16
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+
+class KVCache:
+    """Preallocated keys and values for every layer; `length` positions are filled.
+
+    With `keys_transposed` the keys are stored (L, B, Hkv, Dh, P), P padded to a multiple of 16, for the C decode
+    attention (decode_attention), which reads 16 positions of one key dimension as one vector. `append` returns keys
+    (B, Hkv, P, Dh) either way (then a transposed view)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, keys_transposed: bool = False):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys_transposed = keys_transposed
+        if keys_transposed:
+            padded = -(-max_len // DECODE_KERNEL_LANES) * DECODE_KERNEL_LANES
+            self.k = torch.zeros(*shape[:3], cfg.head_dim, padded, device=device, dtype=dtype)
+        else:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
         self.max_len = max_len
@@ -119,13 +132,24 @@ class KVCache:
         start, end = self.length, self.length + k_BHSDh.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; this step needs {end}")
-        self.k[layer, :, :, start:end] = k_BHSDh
         self.v[layer, :, :, start:end] = v_BHSDh
+        if self.keys_transposed:
+            self.k[layer, :, :, :, start:end] = k_BHSDh.transpose(-1, -2)
+            return self.k[layer, :, :, :, :end].transpose(-1, -2), self.v[layer, :, :, :end]
+        self.k[layer, :, :, start:end] = k_BHSDh
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n: int) -> None:
         """Called once per model forward, after every layer appended its `n` new positions."""
         self.length += n
+
+
+def decode_kernel_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C decode attention serves a KV cache made now: fp32 on CPU outside autocast (the sampler in the
+    trainer's precision; the bf16 sampler runs under autocast), a head dim that is a multiple of 16, and the kernels
+    built. Decided when the cache is made (the sampler makes it inside its precision context)."""
+    return (device.type == "cpu" and dtype == torch.float32 and head_dim % DECODE_KERNEL_LANES == 0
+            and not torch.is_autocast_enabled("cpu") and native_library() is not None)
 
 
 class Attention(nn.Module):
@@ -158,9 +182,13 @@ class Attention(nn.Module):
 
 
 def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) -> torch.Tensor:
-    """One query per row against the cache, as two batched matmuls: on CPU the fused SDPA kernel's setup costs
-    more than this arithmetic for a single query (~25% of a decode step's attention). Query head h reads key/value
-    head h // (H / Hkv), as SDPA's enable_gqa does; equal to SDPA up to fp32 rounding."""
+    """One query per row against the cache. Query head h reads key/value head h // (H / Hkv), as SDPA's enable_gqa
+    does. Keys from a cache with transposed keys (fp32 on CPU, decode_kernel_serves) go to the C kernel: one pass
+    per layer instead of five torch ops whose set-up dominates at a single query. Else two batched matmuls: on CPU
+    the fused SDPA kernel's setup costs more than this arithmetic for a single query (~25% of a decode step's
+    attention). Both equal SDPA up to fp32 rounding."""
+    if _native_decode_serves(q_BH1Dh, k_BGPDh, v_BGPDh):
+        return _native_decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
     B, H, _, Dh = q_BH1Dh.shape
     G = k_BGPDh.shape[1]
     q_BGhDh = q_BH1Dh.reshape(B, G, H // G, Dh)
@@ -168,6 +196,32 @@ def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) 
     if mask_B11P is not None:  # masked_fill(~mask, -inf) in one op
         scores_BGhP = torch.where(mask_B11P, scores_BGhP, float("-inf"))
     return (scores_BGhP.softmax(dim=-1) @ v_BGPDh).view(B, H, 1, Dh)
+
+
+def _native_decode_serves(q_BH1Dh, k_BGPDh, v_BGPDh) -> bool:
+    """Keys stored transposed (positions contiguous, rows padded), fp32 on CPU without autocast or autograd."""
+    Dh = q_BH1Dh.shape[-1]
+    return (k_BGPDh.stride(-2) == 1 and k_BGPDh.stride(-1) >= -(-k_BGPDh.shape[2] // DECODE_KERNEL_LANES) *
+            DECODE_KERNEL_LANES and Dh % DECODE_KERNEL_LANES == 0 and q_BH1Dh.device.type == "cpu"
+            and q_BH1Dh.dtype == k_BGPDh.dtype == v_BGPDh.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
+            and v_BGPDh.stride(-1) == 1 and v_BGPDh.stride(-2) == Dh and native_library() is not None)
+
+
+def _native_decode_attention(q_BH1Dh, kt_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) -> torch.Tensor:
+    B, H, _, Dh = q_BH1Dh.shape
+    G, P = kt_BGPDh.shape[1], kt_BGPDh.shape[2]
+    q_BHDh = q_BH1Dh.reshape(B, H, Dh).contiguous()
+    mask_BP = mask_B11P.reshape(B, P).contiguous() if mask_B11P is not None else None
+    out_BH1Dh = torch.empty(B, H, 1, Dh, dtype=torch.float32)
+    status = native_library().decode_attention(
+        q_BHDh.data_ptr(), kt_BGPDh.data_ptr(), v_BGPDh.data_ptr(), B, H, G, P, Dh, kt_BGPDh.stride(0),
+        kt_BGPDh.stride(1), kt_BGPDh.stride(-1), v_BGPDh.stride(0), v_BGPDh.stride(1),
+        mask_BP.data_ptr() if mask_BP is not None else None, 1.0 / math.sqrt(Dh), out_BH1Dh.data_ptr())
+    if status != 0:
+        raise ValueError(f"decode attention kernel: status {status} for q {tuple(q_BH1Dh.shape)}, keys "
+                         f"{tuple(kt_BGPDh.shape)} with strides {kt_BGPDh.stride()}")
+    return out_BH1Dh
 
 
 def attention_mask(valid_BP: torch.Tensor, query_len: int) -> torch.Tensor:

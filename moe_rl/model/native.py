@@ -4,7 +4,9 @@ The kernels serve the routing hot path on CPU: the router's top-k, sorting token
 experts' input rows and adding up their outputs (the sums also as the backward of the gather, inside autograd
 Functions in moe.py), setting up the experts' MKL batch products, and the rotary embedding forward and backward
 (layers.py). Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so
-whether they are used changes speed only.
+whether they are used changes speed only. One exception: the fp32 sampler's decode-step attention (layers.py,
+decode_attention) agrees with torch's to fp32 rounding, not bit for bit; without the kernels the sampler's fp32
+numbers differ at that level (the trainer's forwards and the bf16 sampler do not use it).
 
 The source is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into a user cache folder
 ($XDG_CACHE_HOME or ~/.cache, then moe-rl/), under a name that hashes the source and the compiler flags, so an edited
@@ -40,6 +42,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
     "add_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
     "rotate_half": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+    "decode_attention": [_PTR, _PTR, _PTR, *[_I64] * 10, _PTR, ctypes.c_float, _PTR],
 }
 
 

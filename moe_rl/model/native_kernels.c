@@ -5,7 +5,11 @@
    torch adds, multiplies and adds element by element with torch's roundings, or hands the arithmetic to MKL's own
    GEMM): routing decisions, traces and every number downstream stay those of torch. They exist because at the
    paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general kernels spend most of
-   their time on set-up, branches and temporary buffers, once per layer and call. */
+   their time on set-up, branches and temporary buffers, once per layer and call.
+
+   One kernel is the exception, and says so: decode_attention (the sampler's one-query attention over the KV cache,
+   fp32 only) agrees with torch's to fp32 rounding, as two torch attention kernels agree with each other, not bit for
+   bit. It never runs in the trainer's forwards or under the bf16 sampler. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -361,5 +365,148 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
     ((sgemm_batch_fn)sgemm_batch)(ROW_MAJOR, transa, transb, m, n, kk, alpha, pa, lda, pb, ldb, beta, pc, ldc,
                                   (int)experts, group_size);
     free(ints); free(scalars); free(pointers);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   decode attention: one query per row and head against the KV cache (the sampler's decode step)
+
+   q (batch, heads, dh) contiguous; query head h reads key/value head h / (heads / kv_heads) (grouped-query
+   attention). Keys are stored transposed: the key of row b, kv head g, dimension d, position p is
+   kt[b * k_row_stride + g * k_head_stride + d * k_dim_stride + p], so the scores of 16 positions are one vector of
+   multiply-adds per dimension; k_dim_stride must cover the positions rounded up to 16 (KVCache pads its rows), since
+   the last vector reads past the last position (those lanes are masked). Values v[b * v_row_stride + g *
+   v_head_stride + p * dh + d]. mask (batch, positions) of bytes, nonzero = may attend, or NULL for all. out (batch,
+   heads, dh) = softmax(scale * q . k + mask) @ v.
+
+   Not torch's bits: the dot products add dimensions in order, the softmax sums in 16 lanes, exp is Cephes' expf
+   polynomial (about 1 ulp), and the weighted values sum in 4 chains of positions; every float op is written as 16-lane
+   vector arithmetic (GCC vector extensions), so every target_clones version rounds the same way. Returns 0, -1 for
+   a shape it does not serve (dh not a multiple of 16, heads not a multiple of kv_heads, no positions, or rows of kt
+   too short), -2 if out of memory. */
+
+#define LANES 16
+#define VALUE_CHAINS 4
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t ivec16 __attribute__((vector_size(64), aligned(4)));
+
+/* Inlined into each versioned caller: at any width they are the same 16-lane operations. Passing 64-byte vectors
+   between functions compiled for different widths would change the calling convention, which GCC warns about; these
+   are always inlined, so nothing is passed. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define VECTOR_HELPER static inline __attribute__((always_inline))
+
+VECTOR_HELPER vec16 load16(const float *p)
+{
+    vec16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+VECTOR_HELPER void store16(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
+
+VECTOR_HELPER vec16 select16(ivec16 mask, vec16 yes, vec16 no)
+{
+    return (vec16)(((ivec16)yes & mask) | ((ivec16)no & ~mask));
+}
+
+/* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n); 0 below
+   -87, where 2^n would leave the normal range (and for x = -inf, the masked positions). */
+VECTOR_HELPER vec16 exp_nonpositive(vec16 x)
+{
+    const float log2e = 1.44269504088896341f, round_to_int = 12582912.0f;  /* 1.5 * 2^23 */
+    vec16 n = (x * log2e + round_to_int) - round_to_int;
+    vec16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  /* ln2 in two parts */
+    vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    ivec16 two_n_bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+    vec16 zero = {0};
+    return select16(x < -87.0f, zero, p * (vec16)two_n_bits);
+}
+
+VECTOR_HELPER float lane_sum(vec16 x)
+{
+    float lane[LANES];
+    store16(lane, x);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+    return lane[0];
+}
+
+/* s[p] = scale * q . k_p + bias[p] for the padded positions; returns their maximum */
+VECTOR_HELPER float scores(const float *q, const float *kt, int64_t dh, int64_t k_dim_stride, int64_t padded,
+                           float scale, const float *bias, float *s)
+{
+    vec16 top = {0};
+    top -= __builtin_inff();
+    for (int64_t p0 = 0; p0 < padded; p0 += LANES) {
+        vec16 dot = q[0] * load16(kt + p0);
+        for (int64_t d = 1; d < dh; ++d) dot += q[d] * load16(kt + d * k_dim_stride + p0);
+        dot = dot * scale + load16(bias + p0);
+        top = select16(dot > top, dot, top);
+        store16(s + p0, dot);
+    }
+    float m = top[0];
+    for (int j = 1; j < LANES; ++j) m = top[j] > m ? top[j] : m;
+    return m;
+}
+
+/* s[p] <- exp(s[p] - top); returns their sum */
+VECTOR_HELPER float exponentiate(float *s, int64_t padded, float top)
+{
+    vec16 sum = {0};
+    for (int64_t p0 = 0; p0 < padded; p0 += LANES) {
+        vec16 e = exp_nonpositive(load16(s + p0) - top);
+        sum += e;
+        store16(s + p0, e);
+    }
+    return lane_sum(sum);
+}
+
+/* out = (sum_p weight[p] v_p) * inv_total, 16 dimensions at a time, positions in VALUE_CHAINS interleaved chains */
+VECTOR_HELPER void weighted_values(const float *weight, const float *v, int64_t positions, int64_t dh,
+                                   float inv_total, float *out)
+{
+    for (int64_t d0 = 0; d0 < dh; d0 += LANES) {
+        vec16 acc[VALUE_CHAINS] = {{0}};
+        int64_t p = 0;
+        for (; p + VALUE_CHAINS <= positions; p += VALUE_CHAINS)
+            for (int c = 0; c < VALUE_CHAINS; ++c) acc[c] += weight[p + c] * load16(v + (p + c) * dh + d0);
+        for (int c = 0; p + c < positions; ++c) acc[c] += weight[p + c] * load16(v + (p + c) * dh + d0);
+        store16(out + d0, ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv_total);
+    }
+}
+
+WIDEST_VECTORS
+int64_t decode_attention(const float *q, const float *kt, const float *v, int64_t batch, int64_t heads,
+                         int64_t kv_heads, int64_t positions, int64_t dh, int64_t k_row_stride, int64_t k_head_stride,
+                         int64_t k_dim_stride, int64_t v_row_stride, int64_t v_head_stride, const uint8_t *mask,
+                         float scale, float *out)
+{
+    const int64_t padded = (positions + LANES - 1) / LANES * LANES;
+    if (dh % LANES != 0 || kv_heads < 1 || heads % kv_heads != 0 || positions < 1 || k_dim_stride < padded)
+        return -1;
+    float *s = malloc(2 * padded * sizeof(float));
+    if (s == NULL) return -2;
+    float *bias = s + padded;  /* 0 where the row may attend, -inf elsewhere (and past the last position) */
+    const int64_t group = heads / kv_heads;
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t p = 0; p < padded; ++p)
+            bias[p] = p < positions && (mask == NULL || mask[b * positions + p]) ? 0.0f : -__builtin_inff();
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t g = h / group;
+            const float *qh = q + (b * heads + h) * dh;
+            float top = scores(qh, kt + b * k_row_stride + g * k_head_stride, dh, k_dim_stride, padded, scale, bias, s);
+            float total = exponentiate(s, padded, top);
+            weighted_values(s, v + b * v_row_stride + g * v_head_stride, positions, dh, 1.0f / total,
+                            out + (b * heads + h) * dh);
+        }
+    }
+    free(s);
     return 0;
 }

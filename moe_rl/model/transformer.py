@@ -19,6 +19,7 @@ from moe_rl.model.layers import (
     Rotary,
     SwiGLU,
     attention_mask,
+    decode_kernel_serves,
     decode_mask,
     init_weights,
     last_positions,
@@ -77,8 +78,11 @@ class MoETransformer(nn.Module):
         return [block.ffn for block in self.blocks if block.is_moe]
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """A KV cache for `batch` rows; made inside the sampler's precision context, it stores keys for the C decode
+        attention where that serves (fp32 on CPU, layers.decode_kernel_serves)."""
         param = self.embed.weight
-        return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, param.device, param.dtype)
+        transposed = decode_kernel_serves(param.device, param.dtype, self.cfg.head_dim)
+        return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, param.device, param.dtype, transposed)
 
     def forward(
         self,
