@@ -300,15 +300,18 @@ def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, m
 
 
 @needs_native
-def test_only_the_fp32_sampler_uses_the_decode_kernel(monkeypatch):
-    """The emulated bf16 engine samples under autocast: its cache keeps the plain key layout and its numbers are
-    torch's attention's, bit for bit, whether the kernel exists or not. The fp32 sampler at the same head dim uses it."""
-    model = tiny_model(d_model=64).eval()  # head dim 16, which the kernel serves
+def test_only_the_fp32_sampler_uses_the_sampler_kernels(monkeypatch):
+    """The emulated bf16 engine samples under autocast: its cache keeps the plain key layout, its experts take the
+    grouped path, and its numbers are torch's, bit for bit, whether the kernels exist or not. The fp32 sampler at the
+    same shape uses both kernels."""
+    model = tiny_model(d_model=64, d_expert=32).eval()  # head dim 16 and expert width 32, which the kernels serve
     ids_BS = torch.randint(3, 40, (6, 7))
     valid_BS = torch.ones_like(ids_BS, dtype=torch.bool)
     valid_BS[2, :3] = False
     kernel, calls = layers._native_decode_attention, []
     monkeypatch.setattr(layers, "_native_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    experts_kernel, expert_calls = moe._sampler_experts, []
+    monkeypatch.setattr(moe, "_sampler_experts", lambda *args: expert_calls.append(1) or experts_kernel(*args))
 
     def sample(precision: str):
         gen = generate(model, ids_BS, valid_BS, SamplingConfig(max_new_tokens=8, precision=precision), eos_id=2,
@@ -317,9 +320,71 @@ def test_only_the_fp32_sampler_uses_the_decode_kernel(monkeypatch):
 
     sample("trainer")
     assert len(calls) == 7 * model.cfg.n_layers  # every decode step of every layer
+    assert len(expert_calls) == 8 * model.cfg.n_layers  # and the prompt's pass
     calls.clear()
+    expert_calls.clear()
     bf16 = sample("bf16")
-    assert calls == []
+    assert calls == [] and expert_calls == []
     for module in (moe, cpu_topk, grouped_gemm, layers):
         monkeypatch.setattr(module, "native_library", lambda: None)
     assert all(torch.equal(a, b) for a, b in zip(bf16, sample("bf16")))
+
+
+# --- the sampler's experts -----------------------------------------------------------------------------------------
+
+
+def _experts_and_routing(E, K, D, F, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    experts = moe.Experts(E, D, F, "grouped")
+    with torch.no_grad():
+        experts.w_gate_up.normal_(0, D**-0.5, generator=g)
+        experts.w_down.normal_(0, F**-0.5, generator=g)
+    x_TD = torch.randn(T, D, generator=g)
+    scores_TE = torch.randn(T, E, generator=g).mul(3).softmax(-1)  # uneven loads: some experts idle, some busy
+    weights_TK, ids_TK = scores_TE.topk(K, dim=-1)
+    return experts, x_TD, weights_TK, ids_TK
+
+
+def _experts_in_float64(experts, x_TD, weights_TK, ids_TK) -> torch.Tensor:
+    """The reference: each expert's SwiGLU on its tokens, weighted and summed, in float64."""
+    out_TD = torch.zeros(x_TD.shape, dtype=torch.float64)
+    for e in range(experts.n_experts):
+        token_S, slot_S = (ids_TK == e).nonzero(as_tuple=True)
+        gate_SF, up_SF = (x_TD[token_S].double() @ experts.w_gate_up[e].double()).chunk(2, dim=-1)
+        y_SD = (torch.nn.functional.silu(gate_SF) * up_SF) @ experts.w_down[e].double()
+        out_TD.index_add_(0, token_S, y_SD * weights_TK[token_S, slot_S].double()[:, None])
+    return out_TD
+
+
+@needs_native
+@pytest.mark.parametrize("E, K, D, F, T", [(128, 8, 64, 32, 64), (8, 2, 64, 64, 64), (128, 8, 64, 32, 700),
+                                           (16, 4, 32, 16, 5), (6, 6, 16, 48, 3), (64, 1, 48, 32, 1)])
+def test_sampler_experts_kernel_agrees_with_the_grouped_path_to_rounding(E, K, D, F, T, monkeypatch):
+    """Decode- and prompt-sized calls, idle experts, groups of every size mod 4, one token: under inference mode the
+    kernel serves, and its output is as close to a float64 reference as the grouped path's."""
+    experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
+    kernel, calls = moe._sampler_experts, []
+    monkeypatch.setattr(moe, "_sampler_experts", lambda *args: calls.append(1) or kernel(*args))
+    with torch.inference_mode():
+        ours = experts(x_TD, weights_TK, ids_TK)
+    with torch.no_grad():  # the trainer's passes: the grouped path
+        grouped = experts(x_TD, weights_TK, ids_TK)
+        exact = _experts_in_float64(experts, x_TD, weights_TK, ids_TK)
+    assert calls == [1]
+    grouped_error = (grouped.double() - exact).abs().max().item()
+    our_error = (ours.double() - exact).abs().max().item()
+    assert our_error <= max(2 * grouped_error, 1e-6), (our_error, grouped_error)
+
+
+@needs_native
+def test_sampler_experts_kernel_serves_only_the_fp32_sampler_at_widths_of_16():
+    experts, x_TD, _, _ = _experts_and_routing(8, 2, 64, 32, 10)
+    params = list(experts.parameters())
+    with torch.inference_mode():
+        assert moe._sampler_kernel_serves(x_TD, *params)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not moe._sampler_kernel_serves(x_TD, *params)
+        narrow, *_ = _experts_and_routing(8, 2, 64, 24, 10)
+        assert not moe._sampler_kernel_serves(x_TD, *narrow.parameters())
+    with torch.no_grad():
+        assert not moe._sampler_kernel_serves(x_TD, *params)

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from moe_rl.errors import ConfigError
-from moe_rl.model import native
+from moe_rl.model import moe, native
 from moe_rl.rollout import SamplingConfig, generate, left_align, sample_next
 from moe_rl.routing import churn_stats, record_routing
 
@@ -27,13 +27,18 @@ def _generate(model, ids, valid, seed=1, **kw):
     return generate(model, ids, valid, cfg, eos_id=EOS, pad_id=PAD, generator=g, **kw)
 
 
-# Head dim 8: decode attention through torch's matmuls; 16: the C kernel over a cache with transposed keys.
-DECODE_PATHS = pytest.mark.parametrize("head_dim", [8, 16], ids=["torch decode", "C decode"])
+# Head dim 8 and expert width 24: the sampler runs torch's decode attention and expert products; head dim 16 and
+# width 32: the C kernels (decode attention over a cache with transposed keys, the fused experts).
+DECODE_PATHS = pytest.mark.parametrize("head_dim", [8, 16], ids=["torch sampler", "C sampler kernels"])
 
 
 def _model_for(head_dim: int):
-    model = tiny_model(d_model=4 * head_dim).eval()
-    assert model.new_cache(1, 4).keys_transposed == (head_dim == 16 and native.library() is not None)
+    model = tiny_model(d_model=4 * head_dim, d_expert=2 * head_dim if head_dim == 16 else 24).eval()
+    kernels = head_dim == 16 and native.library() is not None
+    assert model.new_cache(1, 4).keys_transposed == kernels
+    experts = model.moe_layers()[0].experts
+    with torch.inference_mode():
+        assert moe._sampler_kernel_serves(torch.zeros(1, model.cfg.d_model), *experts.parameters()) == kernels
     return model
 
 

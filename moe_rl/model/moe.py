@@ -214,6 +214,29 @@ def _native_for(*tensors: torch.Tensor):
     return native_library()
 
 
+def _sampler_kernel_serves(x_TD: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor) -> bool:
+    """The fp32 sampler (inference mode marks the sampler's passes; the trainer's no-grad passes run under no_grad)
+    outside autocast, with model and expert widths that are multiples of 16, and the kernels built."""
+    _, d_expert, d_model = w_down_EFD.shape
+    return (torch.is_inference_mode_enabled() and not torch.is_autocast_enabled("cpu") and d_model % 16 == 0
+            and d_expert % 16 == 0 and _native_for(x_TD, w_gate_up_EDF2, w_down_EFD) is not None)
+
+
+def _sampler_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD) -> torch.Tensor:
+    """Every expert's SwiGLU on its slots in one C pass (native_kernels.c, sampler_experts): four slots of an expert
+    per read of its weights, no buffers between the products. Agrees with the grouped path to fp32 rounding."""
+    (T, D), (E, F) = x_TD.shape, w_down_EFD.shape[:2]
+    x_TD, weights_TK = x_TD.contiguous(), weights_TK.contiguous()
+    out_TD = torch.empty(T, D, dtype=torch.float32)
+    status = native_library().sampler_experts(
+        x_TD.data_ptr(), T, D, F, weights_TK.shape[1], slots.token_N.data_ptr(), slots.order_N.data_ptr(),
+        weights_TK.data_ptr(), slots.counts_E.data_ptr(), E, w_gate_up_EDF2.contiguous().data_ptr(),
+        w_down_EFD.contiguous().data_ptr(), out_TD.data_ptr())
+    if status != 0:
+        raise ValueError(f"sampler experts kernel: status {status} for {T} tokens, d_model {D}, d_expert {F}")
+    return out_TD
+
+
 def _native_expert_rows(kernel, x_TD, weights_TK, slots: SlotLayout, block_rows_E) -> ExpertRows:
     (T, D), E = x_TD.shape, slots.counts_E.numel()
     x_TD, weights_TK = x_TD.contiguous(), weights_TK.contiguous()
@@ -295,6 +318,8 @@ class Experts(nn.Module):
         if self.dispatch == "loop":
             return self._loop(x_TD, weights_TK, ids_TK)
         slots = sort_slots(ids_TK, self.n_experts)
+        if self.dispatch == "grouped" and _sampler_kernel_serves(x_TD, self.w_gate_up, self.w_down):
+            return _sampler_experts(x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
         kernel, capacity = self.dispatch, 0
         if kernel == "grouped":
             _, d_expert, d_model = self.w_down.shape
