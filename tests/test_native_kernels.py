@@ -388,3 +388,12 @@ def test_sampler_experts_kernel_serves_only_the_fp32_sampler_at_widths_of_16():
         assert not moe._sampler_kernel_serves(x_TD, *narrow.parameters())
     with torch.no_grad():
         assert not moe._sampler_kernel_serves(x_TD, *params)
+
+
+@needs_native
+def test_sampler_experts_kernel_refuses_slots_outside_the_batch():
+    experts, x_TD, weights_TK, ids_TK = _experts_and_routing(8, 2, 64, 32, 10)
+    slots = sort_slots(ids_TK, 8)
+    outside = slots._replace(token_N=slots.token_N.clone().index_fill_(0, torch.tensor([3]), 10))
+    with torch.inference_mode(), pytest.raises(ValueError, match="sampler experts kernel"):
+        moe._sampler_experts(x_TD, weights_TK, outside, experts.w_gate_up, experts.w_down)

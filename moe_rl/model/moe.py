@@ -304,7 +304,8 @@ class Experts(nn.Module):
     Dispatch paths (they compute the same function and differ only in fp rounding): 'loop' is the reference, one
     matmul chain per expert; 'grouped_mm' sorts token-slots by expert and runs torch._grouped_mm with group offsets;
     'padded' scatters the sorted slots into an (E, C, D) buffer padded to the largest group C and runs two batched
-    matmuls; 'grouped' picks grouped_mm or padded per call by shape (`choose_kernel`).
+    matmuls; 'grouped' picks grouped_mm or padded per call by shape (`choose_kernel`), and in the fp32 sampler runs
+    every expert in one C pass instead (`_sampler_experts`; the trainer's passes never do).
     """
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, dispatch: str):

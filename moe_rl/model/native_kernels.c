@@ -522,7 +522,8 @@ int64_t decode_attention(const float *q, const float *kt, const float *v, int64_
    Like decode_attention, the sampler's alone (fp32 passes under inference mode) and not torch's bits: four slots of
    one expert at a time stream its weights once, each output vector summing its products in order of the reduced
    dimension, with exp from Cephes' polynomial; every operation a 16-lane vector one, so every version rounds alike.
-   Returns 0, -1 if d or f is not a multiple of 16 or the counts do not add up to n, -2 if out of memory. */
+   Returns 0, -1 if d or f is not a multiple of 16, the counts do not add up to tokens * k or a slot names a
+   token or slot outside them, -2 if out of memory. */
 
 #define SLOT_BLOCK 4
 
@@ -595,6 +596,8 @@ int64_t sampler_experts(const float *x, int64_t tokens, int64_t d, int64_t f, in
     int64_t n = 0;
     for (int64_t e = 0; e < experts; ++e) n += counts[e];
     if (n != tokens * k) return -1;
+    for (int64_t s = 0; s < n; ++s)
+        if (token_N[s] < 0 || token_N[s] >= tokens || order_N[s] < 0 || order_N[s] >= n) return -1;
     float *scratch = malloc(SLOT_BLOCK * (3 * f + d) * sizeof(float));
     if (scratch == NULL) return -2;
     float *gate_up[SLOT_BLOCK], *hidden[SLOT_BLOCK], *y[SLOT_BLOCK];
