@@ -108,6 +108,10 @@ class SwiGLU(nn.Module):
 DECODE_KERNEL_LANES = 16
 
 
+def _padded_positions(positions: int) -> int:
+    return -(-positions // DECODE_KERNEL_LANES) * DECODE_KERNEL_LANES
+
+
 class KVCache:
     """Preallocated keys and values for every layer; `length` positions are filled.
 
@@ -119,8 +123,7 @@ class KVCache:
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.keys_transposed = keys_transposed
         if keys_transposed:
-            padded = -(-max_len // DECODE_KERNEL_LANES) * DECODE_KERNEL_LANES
-            self.k = torch.zeros(*shape[:3], cfg.head_dim, padded, device=device, dtype=dtype)
+            self.k = torch.zeros(*shape[:3], cfg.head_dim, _padded_positions(max_len), device=device, dtype=dtype)
         else:
             self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -200,12 +203,12 @@ def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) 
 
 def _native_decode_serves(q_BH1Dh, k_BGPDh, v_BGPDh) -> bool:
     """Keys stored transposed (positions contiguous, rows padded), fp32 on CPU without autocast or autograd."""
-    Dh = q_BH1Dh.shape[-1]
-    return (k_BGPDh.stride(-2) == 1 and k_BGPDh.stride(-1) >= -(-k_BGPDh.shape[2] // DECODE_KERNEL_LANES) *
-            DECODE_KERNEL_LANES and Dh % DECODE_KERNEL_LANES == 0 and q_BH1Dh.device.type == "cpu"
-            and q_BH1Dh.dtype == k_BGPDh.dtype == v_BGPDh.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
-            and v_BGPDh.stride(-1) == 1 and v_BGPDh.stride(-2) == Dh and native_library() is not None)
+    Dh, P = q_BH1Dh.shape[-1], k_BGPDh.shape[2]
+    keys_transposed = k_BGPDh.stride(-2) == 1 and k_BGPDh.stride(-1) >= _padded_positions(P)
+    values_by_position = v_BGPDh.stride(-1) == 1 and v_BGPDh.stride(-2) == Dh
+    fp32_on_cpu = q_BH1Dh.device.type == "cpu" and q_BH1Dh.dtype == k_BGPDh.dtype == v_BGPDh.dtype == torch.float32
+    return (keys_transposed and values_by_position and fp32_on_cpu and Dh % DECODE_KERNEL_LANES == 0
+            and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled() and native_library() is not None)
 
 
 def _native_decode_attention(q_BH1Dh, kt_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) -> torch.Tensor:

@@ -214,12 +214,16 @@ def _native_for(*tensors: torch.Tensor):
     return native_library()
 
 
+SAMPLER_KERNEL_LANES = 16  # the sampler's experts kernel works in 16-float vectors of the model and expert widths
+
+
 def _sampler_kernel_serves(x_TD: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor) -> bool:
     """The fp32 sampler (inference mode marks the sampler's passes; the trainer's no-grad passes run under no_grad)
     outside autocast, with model and expert widths that are multiples of 16, and the kernels built."""
     _, d_expert, d_model = w_down_EFD.shape
-    return (torch.is_inference_mode_enabled() and not torch.is_autocast_enabled("cpu") and d_model % 16 == 0
-            and d_expert % 16 == 0 and _native_for(x_TD, w_gate_up_EDF2, w_down_EFD) is not None)
+    widths_fit = d_model % SAMPLER_KERNEL_LANES == 0 and d_expert % SAMPLER_KERNEL_LANES == 0
+    return (torch.is_inference_mode_enabled() and not torch.is_autocast_enabled("cpu") and widths_fit
+            and _native_for(x_TD, w_gate_up_EDF2, w_down_EFD) is not None)
 
 
 def _sampler_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD) -> torch.Tensor:
