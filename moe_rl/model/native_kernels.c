@@ -380,10 +380,10 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
    heads, dh) = softmax(scale * q . k + mask) @ v.
 
    Not torch's bits: the dot products add dimensions in order, the softmax sums in 16 lanes, exp is Cephes' expf
-   polynomial (about 1 ulp), and the weighted values sum in 4 chains of positions; every float op is written as 16-lane
-   vector arithmetic (GCC vector extensions), so every target_clones version rounds the same way. Returns 0, -1 for
-   a shape it does not serve (dh not a multiple of 16, heads not a multiple of kv_heads, no positions, or rows of kt
-   too short), -2 if out of memory. */
+   polynomial (within 1 ulp on [-87, 88], measured), and the weighted values sum in 4 chains of positions; every float
+   op is written as 16-lane vector arithmetic (GCC vector extensions), so every target_clones version rounds the same
+   way. Returns 0, -1 for a shape it does not serve (dh not a multiple of 16, heads not a multiple of kv_heads, no
+   positions, or rows of kt too short), -2 if out of memory. */
 
 #define LANES 16
 #define VALUE_CHAINS 4
