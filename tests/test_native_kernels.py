@@ -397,3 +397,27 @@ def test_sampler_experts_kernel_refuses_slots_outside_the_batch():
     outside = slots._replace(token_N=slots.token_N.clone().index_fill_(0, torch.tensor([3]), 10))
     with torch.inference_mode(), pytest.raises(ValueError, match="sampler experts kernel"):
         moe._sampler_experts(x_TD, weights_TK, outside, experts.w_gate_up, experts.w_down)
+
+
+@needs_native
+def test_the_sampler_kernels_round_alike_in_the_widest_and_the_baseline_build(tmp_path, monkeypatch):
+    """The sampler's kernels are written as 16-lane vector arithmetic so that the AVX-512, AVX2 and baseline versions
+    give the same bits (sampling on two CPUs of a cluster differs only where torch's own kernels do): the loaded build
+    (the widest version this CPU has) against a baseline-only build (-DMOE_RL_ONE_VERSION)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    baseline = ctypes.CDLL(str(native.build((native.ONE_VERSION_FLAGS,))))
+    for name, argtypes in native._SIGNATURES.items():
+        getattr(baseline, name).argtypes, getattr(baseline, name).restype = argtypes, ctypes.c_int64
+    q_BH1Dh, _, (kt_BGPDh, vt_BGPDh), mask_B11P = _decode_inputs(9, 4, 2, 32, 37, 48)
+    experts, x_TD, weights_TK, ids_TK = _experts_and_routing(16, 4, 64, 32, 50)
+    slots = sort_slots(ids_TK, 16)
+
+    def both_kernels():
+        with torch.inference_mode():
+            return (layers._native_decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P),
+                    moe._sampler_experts(x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
+
+    widest = both_kernels()
+    for module in (layers, moe):
+        monkeypatch.setattr(module, "native_library", lambda: baseline)
+    assert all(torch.equal(a, b) for a, b in zip(widest, both_kernels()))
