@@ -411,9 +411,9 @@ VECTOR_HELPER vec16 select16(ivec16 mask, vec16 yes, vec16 no)
     return (vec16)(((ivec16)yes & mask) | ((ivec16)no & ~mask));
 }
 
-/* exp(x) for x <= 0 (Cephes expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n); 0 below
-   -87, where 2^n would leave the normal range (and for x = -inf, the masked positions). */
-VECTOR_HELPER vec16 exp_nonpositive(vec16 x)
+/* exp(x) for x in [-87, 88] (Cephes expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n;
+   within 1 ulp there, measured); outside it 2^n leaves the normal range, so callers clamp or select. */
+VECTOR_HELPER vec16 exp_in_range(vec16 x)
 {
     const float log2e = 1.44269504088896341f, round_to_int = 12582912.0f;  /* 1.5 * 2^23 */
     vec16 n = (x * log2e + round_to_int) - round_to_int;
@@ -425,8 +425,14 @@ VECTOR_HELPER vec16 exp_nonpositive(vec16 x)
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     ivec16 two_n_bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+    return p * (vec16)two_n_bits;
+}
+
+/* exp(x) for x <= 0; 0 below -87 (and for x = -inf, the masked positions) */
+VECTOR_HELPER vec16 exp_nonpositive(vec16 x)
+{
     vec16 zero = {0};
-    return select16(x < -87.0f, zero, p * (vec16)two_n_bits);
+    return select16(x < -87.0f, zero, exp_in_range(x));
 }
 
 VECTOR_HELPER float lane_sum(vec16 x)
@@ -527,6 +533,7 @@ int64_t decode_attention(const float *q, const float *kt, const float *v, int64_
 
 #define SLOT_BLOCK 4
 
+/* silu(g) = g / (1 + exp(-g)), exp's argument clamped to its range (beyond it the quotient is g or 0 anyway) */
 VECTOR_HELPER vec16 silu16(vec16 g)
 {
     vec16 low = {0}, high = {0};
@@ -535,17 +542,7 @@ VECTOR_HELPER vec16 silu16(vec16 g)
     vec16 minus_g = -g;
     minus_g = select16(minus_g < low, low, minus_g);
     minus_g = select16(minus_g > high, high, minus_g);
-    const float log2e = 1.44269504088896341f, round_to_int = 12582912.0f;
-    vec16 n = (minus_g * log2e + round_to_int) - round_to_int;
-    vec16 r = (minus_g - n * 0.693359375f) - n * -2.12194440e-4f;
-    vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    ivec16 two_n_bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-    return g / (p * (vec16)two_n_bits + 1.0f);
+    return g / (exp_in_range(minus_g) + 1.0f);
 }
 
 /* rows[i] (SLOT_BLOCK of them, each `width` floats) = sum_k in[i][k] * w[k], for k < depth; w rows `width` apart.
