@@ -140,16 +140,17 @@ def test_strided_operands_are_refused():
 
 
 @needs_mkl
-def test_weight_gradient_of_an_idle_expert_is_written_as_zeros():
-    """The weight gradient starts as uninitialised memory: the batch call must overwrite an idle expert's block
-    (k = 0, beta = 0) rather than leave whatever was there."""
+@pytest.mark.parametrize("d_in, d_out", [(16, 8), (64, 64)])  # the MKL batch call; the C loop (exact_products)
+def test_weight_gradient_of_an_idle_expert_is_written_as_zeros(d_in, d_out):
+    """The weight gradient starts as uninitialised memory: the batch call (k = 0, beta = 0) and the C loop (a zero
+    accumulator) must overwrite an idle expert's block rather than leave whatever was there."""
     from moe_rl.model import grouped_gemm
 
     counts_E = torch.zeros(MKL_MIN_EXPERTS_WITH_GRAD, dtype=torch.long)
     counts_E[3] = 5
-    x_ND, grad_NF = torch.randn(5, 16), torch.randn(5, 8)
-    grad_EDF = torch.full((MKL_MIN_EXPERTS_WITH_GRAD, 16, 8), float("nan"))
-    grouped_gemm._expert_products(grouped_gemm._WEIGHT_GRAD, counts_E, 16, 8, x_ND, grad_NF, grad_EDF)
+    x_ND, grad_NF = torch.randn(5, d_in), torch.randn(5, d_out)
+    grad_EDF = torch.full((MKL_MIN_EXPERTS_WITH_GRAD, d_in, d_out), float("nan"))
+    grouped_gemm._expert_products(grouped_gemm._WEIGHT_GRAD, counts_E, d_in, d_out, x_ND, grad_NF, grad_EDF)
     assert torch.equal(grad_EDF[3], x_ND.T @ grad_NF)
     assert not grad_EDF.isnan().any() and (grad_EDF.sum(dim=(1, 2)) != 0).sum() == 1
 
@@ -161,3 +162,80 @@ def test_operands_whose_shapes_do_not_fit_are_refused():
     x_ND, w_EDF, _ = _sorted_rows(counts_E, 16, 8)
     with pytest.raises(ValueError, match="expected"):
         mkl_grouped_mm(x_ND[:, :12].contiguous(), w_EDF, counts_E)
+
+
+needs_avx512 = pytest.mark.skipif(not mkl_available() or torch.backends.cpu.get_cpu_capability() != "AVX512",
+                                  reason="the C loop of the grouped products is written for AVX-512")
+
+
+@needs_avx512
+def test_c_loop_takes_the_paper_widths_with_the_measured_plans():
+    """At d_model 64 and expert width 32 (the bench and study models) every product has a plan, with the group
+    sizes the module's comments give: forward 1-1,024 (fused from 4 rows), input grad from 4, weight grad up to 192."""
+    from moe_rl.model.grouped_gemm import _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, ExactPlan, exact_plan
+
+    for d_in, d_out in [(64, 64), (32, 64)]:
+        assert exact_plan(_FORWARD, d_in, d_out) == ExactPlan(1, 1024, 4)
+        assert exact_plan(_INPUT_GRAD, d_in, d_out) == ExactPlan(4, 1024, 4)
+        assert exact_plan(_WEIGHT_GRAD, d_in, d_out) == ExactPlan(0, 192, 0)
+    assert exact_plan(_FORWARD, 256, 512) is None  # MKL splits a depth of 256: its sums are not one chain
+
+
+@needs_avx512
+@pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64), (64, 32)])
+def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_in, d_out, monkeypatch):
+    """Group sizes on both sides of every plan's edges (1-3 rows, 4, 192 and 193, 1,024 and beyond) in one call, so
+    each product splits its experts between the C loop and MKL; values and gradients must be torch's, and the C loop
+    must have run and left some experts to MKL."""
+    from moe_rl.model import grouped_gemm
+
+    left_to_mkl = []
+    real = grouped_gemm._exact_products
+
+    def spy(*args):
+        left_to_mkl.append(real(*args))
+        return left_to_mkl[-1]
+
+    monkeypatch.setattr(grouped_gemm, "_exact_products", spy)
+    counts_E = torch.tensor([0, 1, 2, 3, 4, 5, 17, 191, 192, 193, 250, 1024, 1100] + [2] * 20)
+    counts_E = counts_E[torch.randperm(counts_E.numel())]
+    x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
+    upstream_NF = torch.randn(x_ND.shape[0], d_out)
+    grads = []
+    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+        y = product(x, w)
+        y.backward(upstream_NF)
+        grads.append((y.detach(), x.grad, w.grad))
+    for ours, torchs, name in zip(grads[0], grads[1], ("output", "input grad", "weight grad")):
+        assert torch.equal(ours, torchs), name
+    assert len(left_to_mkl) == 3 and all(left > 0 for left in left_to_mkl)
+
+
+@needs_avx512
+@pytest.mark.parametrize("start", [(1, 1), (1, 100)])  # fused from 1 row (MKL rounds 1-3 rows unfused); from 100
+def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
+    from moe_rl.model import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_PLAN_START", {**grouped_gemm._PLAN_START, grouped_gemm._FORWARD: start})
+    grouped_gemm._checked_plan.cache_clear()
+    try:
+        assert grouped_gemm.exact_plan(grouped_gemm._FORWARD, 64, 64) is None
+    finally:
+        grouped_gemm._checked_plan.cache_clear()
+
+
+@needs_avx512
+def test_c_loop_refuses_widths_it_cannot_vectorise_and_counts_that_do_not_add_up():
+    from moe_rl.model import grouped_gemm
+    from moe_rl.model.grouped_gemm import ExactPlan
+
+    plan = ExactPlan(1, 1024, 4)
+    counts_E = torch.tensor([3, 5])
+    x_ND = torch.randn(8, 64)
+    narrow = grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 8, 64, 24, x_ND, torch.randn(2, 64, 24),
+                                          torch.empty(8, 24), plan)
+    assert narrow == -3  # 24 columns are not whole vectors of 16: MKL's job
+    with pytest.raises(ValueError, match="sum to 8, but x has 9 rows"):
+        grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 9, 64, 64, torch.randn(9, 64),
+                                     torch.randn(2, 64, 64), torch.empty(9, 64), plan)

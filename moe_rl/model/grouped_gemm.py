@@ -12,6 +12,12 @@ against torch._grouped_mm and its autograd): switching kernels changes no sample
 The call's per-expert argument arrays are filled by a C kernel (native_kernels.c, expert_sgemm), which makes the call
 cheap enough to pay off at any number of experts without autograd (MKL_MIN_EXPERTS_WITH_GRAD says where with it).
 
+Faster still, where it gives the same bits: at the small widths of the paper-shaped models MKL sums each output
+element as one chain over the depth, in order, so a C loop (native_kernels.c, exact_products, AVX-512) that chains
+the same way gives MKL's numbers without MKL's packing of small operands (1.3-1.4x per product at 128 experts and
+5,632 slots, d_model 64, expert width 32). Nothing promises MKL sums that way, so `exact_plan` compares the two on
+every group size up to 1,024 once per shape and process, and the loop serves only the sizes where they agreed.
+
 Where MKL or the C kernels are absent (other CPU builds, no C compiler), on CUDA, in other dtypes and at more than
 one thread, `grouped_mm` is torch._grouped_mm.
 """
@@ -22,6 +28,7 @@ import ctypes
 import functools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -140,9 +147,10 @@ def _weight_grad(x_ND, grad_NF, counts_E):
 
 
 def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c) -> None:
-    """One MKL batch call for the products of `mode` (native_kernels.c, expert_sgemm, says which), set up in C.
-    MKL reads raw addresses: rows that do not add up, shapes that do not fit, or strided memory, would make it read the
-    wrong numbers (or past the end of a tensor) without an error, so all three are refused here."""
+    """The products of `mode` (native_kernels.c, expert_sgemm, says which): the group sizes where the C loop gives
+    MKL's numbers (`exact_plan`) in C, the others in one MKL batch call set up in C.
+    MKL and the C loop read raw addresses: rows that do not add up, shapes that do not fit, or strided memory, would
+    make them read the wrong numbers (or past the end of a tensor) without an error, so all three are refused here."""
     if not (a.is_contiguous() and b.is_contiguous() and c.is_contiguous()):
         raise ValueError("the MKL grouped matmul needs contiguous operands")
     counts_E = counts_E.to(torch.int64).contiguous()
@@ -152,14 +160,97 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     shapes = tuple(tuple(t.shape) for t in (a, b, c))
     if shapes != expected:
         raise ValueError(f"grouped matmul operands of shapes {shapes}, expected {expected}")
-    status = native_library().expert_sgemm(_sgemm_batch(), mode, counts_E.numel(), counts_E.data_ptr(), rows, D, F,
-                                           a.data_ptr(), b.data_ptr(), c.data_ptr())
+    skip_min_rows, skip_max_rows = 1, 0  # an empty range: MKL computes every expert
+    plan = exact_plan(mode, D, F)
+    if plan is not None:
+        left = _exact_products(mode, counts_E, rows, D, F, a, b, c, plan)
+        if left == 0:
+            return
+        skip_min_rows, skip_max_rows = plan.min_rows, plan.max_rows
+    status = native_library().expert_sgemm(_sgemm_batch(), mode, E, counts_E.data_ptr(), rows, D, F, a.data_ptr(),
+                                           b.data_ptr(), c.data_ptr(), skip_min_rows, skip_max_rows)
+    _raise_for_status(status, counts_E, rows)
+
+
+def _raise_for_status(status: int, counts_E: torch.Tensor, rows: int) -> None:
     if status == -1 and bool((counts_E < 0).any()):
         raise ValueError(f"group sizes must be >= 0; got {counts_E.min()}")
     if status == -1:
         raise ValueError(f"group sizes sum to {int(counts_E.sum())}, but x has {rows} rows")
-    if status != 0:
-        raise MemoryError("the MKL grouped matmul could not allocate its call arguments")
+    if status == -2:
+        raise MemoryError("the grouped matmul could not allocate its call arguments")
+
+
+class ExactPlan(NamedTuple):
+    """The group sizes the C loop (native_kernels.c, exact_products) computes for one product and shape, with MKL's
+    numbers: min_rows <= n_e <= max_rows, a fused multiply-add chain from fused_from rows up."""
+
+    min_rows: int
+    max_rows: int
+    fused_from: int
+
+
+# Per product, what the check starts from: (smallest group size the C loop may take, group size from which MKL uses
+# fused multiply-adds). Measured with torch 2.13's MKL on AVX-512: a forward product of 1-3 rows takes a path that
+# rounds each product before adding; an input-gradient product of 2-3 rows takes yet another order (and one row is
+# torch's matrix-vector product, see _input_grad), so those stay with MKL; weight gradients chain over the rows at any
+# size up to MKL's depth block (192 rows), beyond which MKL splits the sum and the check stops the C loop.
+_PLAN_START = {_FORWARD: (1, 4), _INPUT_GRAD: (4, 4), _WEIGHT_GRAD: (0, 0)}
+_CHECKED_SIZES = (*range(0, 201), 224, 256, 320, 384, 512, 768, 1024)
+_MIN_SERVED_SIZE = 64  # a plan that agrees with MKL only on smaller groups is not worth its second code path
+
+
+def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
+    """The C loop's plan for this product and shape on this machine, or None where it must not serve."""
+    if not single_threaded_mkl():
+        return None
+    with torch.no_grad():
+        return _checked_plan(mode, d, f)
+
+
+@functools.cache
+def _checked_plan(mode: int, d: int, f: int) -> ExactPlan | None:
+    """Both kernels on the same random operands with one group of every size in _CHECKED_SIZES; the plan serves the
+    sizes from its start up to the largest checked size below which every group came out bit-identical. The order
+    in which a matrix kernel sums is the same for all values, so one draw shows it (random values make a different
+    order show in almost every element). Once per shape and process, a few ms."""
+    min_rows, fused_from = _PLAN_START[mode]
+    counts_E = torch.tensor(_CHECKED_SIZES, dtype=torch.int64)
+    rows, E = int(counts_E.sum()), counts_E.numel()
+    generator = torch.Generator().manual_seed(0)
+    shapes = {_FORWARD: ((rows, d), (E, d, f), (rows, f)), _INPUT_GRAD: ((rows, f), (E, d, f), (rows, d)),
+              _WEIGHT_GRAD: ((rows, d), (rows, f), (E, d, f))}[mode]
+    a, b = (torch.randn(shape, generator=generator) for shape in shapes[:2])
+    by_mkl, by_loop = torch.zeros(shapes[2]), torch.zeros(shapes[2])
+    _raise_for_status(native_library().expert_sgemm(_sgemm_batch(), mode, E, counts_E.data_ptr(), rows, d, f,
+                                                    a.data_ptr(), b.data_ptr(), by_mkl.data_ptr(), 1, 0),
+                      counts_E, rows)
+    widest = ExactPlan(min_rows, _CHECKED_SIZES[-1], fused_from)
+    if _exact_products(mode, counts_E, rows, d, f, a, b, by_loop, widest) < 0:
+        return None
+    groups = by_mkl.split(_CHECKED_SIZES) if mode != _WEIGHT_GRAD else by_mkl.unbind()
+    loop_groups = by_loop.split(_CHECKED_SIZES) if mode != _WEIGHT_GRAD else by_loop.unbind()
+    max_rows = None
+    for size, mkl_group, loop_group in zip(_CHECKED_SIZES, groups, loop_groups):
+        if size < min_rows:
+            continue
+        if not torch.equal(mkl_group, loop_group):
+            break
+        max_rows = size
+    if max_rows is None or max_rows < _MIN_SERVED_SIZE:
+        return None
+    return ExactPlan(min_rows, max_rows, fused_from)
+
+
+def _exact_products(mode: int, counts_E, rows: int, D: int, F: int, a, b, c, plan: ExactPlan) -> int:
+    """The C loop's products for the groups the plan covers; returns how many experts it left to MKL, or -3 where it
+    cannot run (no AVX-512, widths not multiples of 16)."""
+    status = native_library().exact_products(mode, counts_E.numel(), counts_E.data_ptr(), rows, D, F, a.data_ptr(),
+                                             b.data_ptr(), c.data_ptr(), plan.min_rows, plan.max_rows,
+                                             plan.fused_from)
+    if status != -3:
+        _raise_for_status(status, counts_E, rows)
+    return status
 
 
 def exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:

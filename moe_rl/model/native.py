@@ -2,7 +2,8 @@
 
 The kernels serve the routing hot path on CPU: the router's top-k, sorting token-slots by expert, gathering the
 experts' input rows and adding up their outputs (the sums also as the backward of the gather, inside autograd
-Functions in moe.py), setting up the experts' MKL batch products, and the rotary embedding forward and backward
+Functions in moe.py), setting up the experts' MKL batch products (and computing them in MKL's own order where a
+check at load shows the same bits, grouped_gemm.exact_plan), and the rotary embedding forward and backward
 (layers.py). Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so
 whether they are used changes speed only. One exception: the fp32 sampler's decode-step attention (layers.py,
 decode_attention) agrees with torch's to fp32 rounding, not bit for bit; without the kernels the sampler's fp32
@@ -38,7 +39,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or count)
     "topk_rows": [_PTR, _I64, _I64, _I64, _PTR],
     "sort_slots": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
-    "expert_sgemm": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "expert_sgemm": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "exact_products": [_I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "expert_rows": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
     "add_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR],
     "rotate_half": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR],

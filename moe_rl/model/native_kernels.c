@@ -2,8 +2,8 @@
    moe_rl/model/native.py.
 
    Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, adds in the order
-   torch adds, multiplies and adds element by element with torch's roundings, or hands the arithmetic to MKL's own
-   GEMM): routing decisions, traces and every number downstream stay those of torch. They exist because at the
+   torch adds, multiplies and adds element by element with torch's roundings, hands the arithmetic to MKL's own
+   GEMM, or chains the products in MKL's order where grouped_gemm.py has checked that this gives MKL's bits): routing decisions, traces and every number downstream stay those of torch. They exist because at the
    paper's routing shape (128 experts, top-8, a few thousand tokens per call) torch's general kernels spend most of
    their time on set-up, branches and temporary buffers, once per layer and call.
 
@@ -302,6 +302,8 @@ int64_t rotate_half(const float *x, int64_t rows, int64_t row_stride, int64_t he
                            skipped (m = 0) and left to the caller, whose torch does a matrix-vector product there
      mode 2 (weight grad): c[e] (D x F) = (a rows of e (n_e x D))^T @ b rows of e (n_e x F); an idle expert gets
                            zeros (k = 0, beta 0)
+   Experts with skip_min_rows <= n_e <= skip_max_rows are skipped (m = 0; exact_products below computes them; an
+   empty range, min > max, skips none).
    sgemm_batch is MKL's function (from the torch library that links it), so the products are torch's own sgemm.
    Returns 0; -1 if a count is negative or the counts do not add up to `rows`; -2 if out of memory; nothing is
    computed unless it returns 0. */
@@ -314,7 +316,8 @@ typedef void (*sgemm_batch_fn)(int layout, const int *transa, const int *transb,
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int64_t *counts, int64_t rows,
-                     int64_t d, int64_t f, const float *a, const float *b, float *c)
+                     int64_t d, int64_t f, const float *a, const float *b, float *c, int64_t skip_min_rows,
+                     int64_t skip_max_rows)
 {
     int64_t total = 0;
     for (int64_t e = 0; e < experts; ++e) {
@@ -338,24 +341,25 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
     int64_t start = 0;
     for (int64_t e = 0; e < experts; ++e) {
         int64_t rows_e = counts[e];
+        int skipped = skip_min_rows <= rows_e && rows_e <= skip_max_rows;  /* computed by exact_products */
         group_size[e] = 1;
         alpha[e] = 1.0f;
         beta[e] = 0.0f;
         if (mode == 0) {
             transa[e] = NO_TRANS; transb[e] = NO_TRANS;
-            m[e] = (int)rows_e; n[e] = (int)f; kk[e] = (int)d;
+            m[e] = skipped ? 0 : (int)rows_e; n[e] = (int)f; kk[e] = (int)d;
             pa[e] = a + start * d; lda[e] = (int)d;
             pb[e] = b + e * d * f; ldb[e] = (int)f;
             pc[e] = c + start * f; ldc[e] = (int)f;
         } else if (mode == 1) {
             transa[e] = NO_TRANS; transb[e] = TRANS;
-            m[e] = rows_e == 1 ? 0 : (int)rows_e; n[e] = (int)d; kk[e] = (int)f;
+            m[e] = rows_e == 1 || skipped ? 0 : (int)rows_e; n[e] = (int)d; kk[e] = (int)f;
             pa[e] = a + start * f; lda[e] = (int)f;
             pb[e] = b + e * d * f; ldb[e] = (int)f;
             pc[e] = c + start * d; ldc[e] = (int)d;
         } else {
             transa[e] = TRANS; transb[e] = NO_TRANS;
-            m[e] = (int)d; n[e] = (int)f; kk[e] = (int)rows_e;
+            m[e] = skipped ? 0 : (int)d; n[e] = (int)f; kk[e] = (int)rows_e;
             pa[e] = a + start * d; lda[e] = (int)d;
             pb[e] = b + start * f; ldb[e] = (int)f;
             pc[e] = c + e * d * f; ldc[e] = (int)f;
@@ -366,6 +370,198 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
                                   (int)experts, group_size);
     free(ints); free(scalars); free(pointers);
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   grouped products in MKL's own order (AVX-512)
+
+   The three products of expert_sgemm, computed here with the roundings MKL's sgemm makes at the widths of the
+   paper-shaped models, where a C loop is faster than MKL's batch call (MKL spends much of a small product packing
+   its operands). Each output element is a chain over k in order from a zero accumulator: a fused multiply-add per
+   step for experts with at least `fused_from` rows, a product then a sum (each rounded) for fewer. That is what MKL
+   does (measured: one thread, its AVX-512 kernels, depth up to 192; a one- to three-row product goes through a path
+   without fused multiply-adds), but nothing guarantees it, so grouped_gemm.py compares this kernel with MKL at each
+   shape before it lets it serve, and uses it only for the group sizes where they agreed.
+
+   Only experts with min_rows <= n_e <= max_rows are computed (their outputs only; the others are left untouched
+   for the MKL call). The widths the vectors run along (F for modes 0 and 2, D for mode 1) must be multiples of 16.
+   Returns the number of experts left for MKL (rows outside the range: n_e > 0 in modes 0 and 1, any in mode 2), -1
+   if a count is negative or the counts do not add up to `rows`, -2 if out of memory, -3 where it cannot run (no
+   AVX-512 on this CPU, a build without it, or widths that are not multiples of 16). */
+
+#define PRODUCT_ROWS 4   /* output rows per tile: 4 rows x 4 vectors = 16 accumulators */
+#define PRODUCT_VECTORS 4
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MOE_RL_ONE_VERSION)
+#include <immintrin.h>
+#define EXACT_PRODUCTS 1
+#define AVX512_HELPER static inline __attribute__((always_inline, target("avx512f")))
+
+/* c[r][j] = sum over k of a[r * ar + k * ak] * b[k * ldb + j], for r < rows_used and j < 16 * vectors: inlined at
+   each call with constant rows_used and vectors, so the accumulators stay in registers. */
+AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
+                                float *c, int64_t ldc, const int rows_used, const int vectors, int fused)
+{
+    __m512 acc[PRODUCT_ROWS][PRODUCT_VECTORS];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows_used; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
+    if (fused) {
+        for (int64_t k = 0; k < depth; ++k) {
+            __m512 bk[PRODUCT_VECTORS];
+#pragma GCC unroll 4
+            for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows_used; ++r) {
+                __m512 ark = _mm512_set1_ps(a[r * ar + k * ak]);
+#pragma GCC unroll 4
+                for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_fmadd_ps(ark, bk[v], acc[r][v]);
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < depth; ++k) {
+            __m512 bk[PRODUCT_VECTORS];
+#pragma GCC unroll 4
+            for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows_used; ++r) {
+                __m512 ark = _mm512_set1_ps(a[r * ar + k * ak]);
+#pragma GCC unroll 4
+                for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_mul_ps(ark, bk[v]));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows_used; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < vectors; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+/* One tile of rows_used rows with the columns' vectors in constants, so product_tile unrolls. */
+#define TILE_CASE(R, V) product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, fused)
+AVX512_HELPER void tile_of(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
+                           float *c, int64_t ldc, int rows_used, int vectors, int fused)
+{
+    switch (rows_used * 8 + vectors) {
+    case 1 * 8 + 1: TILE_CASE(1, 1); break;
+    case 1 * 8 + 2: TILE_CASE(1, 2); break;
+    case 1 * 8 + 3: TILE_CASE(1, 3); break;
+    case 1 * 8 + 4: TILE_CASE(1, 4); break;
+    case 2 * 8 + 1: TILE_CASE(2, 1); break;
+    case 2 * 8 + 2: TILE_CASE(2, 2); break;
+    case 2 * 8 + 3: TILE_CASE(2, 3); break;
+    case 2 * 8 + 4: TILE_CASE(2, 4); break;
+    case 3 * 8 + 1: TILE_CASE(3, 1); break;
+    case 3 * 8 + 2: TILE_CASE(3, 2); break;
+    case 3 * 8 + 3: TILE_CASE(3, 3); break;
+    case 3 * 8 + 4: TILE_CASE(3, 4); break;
+    case 4 * 8 + 1: TILE_CASE(4, 1); break;
+    case 4 * 8 + 2: TILE_CASE(4, 2); break;
+    case 4 * 8 + 3: TILE_CASE(4, 3); break;
+    case 4 * 8 + 4: TILE_CASE(4, 4); break;
+    }
+}
+#undef TILE_CASE
+
+/* t (16 x 16, rows ldt apart) = the transpose of w (16 x 16, rows ldw apart), in registers */
+AVX512_HELPER void transpose16(const float *w, int64_t ldw, float *t, int64_t ldt)
+{
+    __m512 r[16], s[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(w + i * ldw);
+    for (int i = 0; i < 16; i += 2) {  /* interleave pairs of rows */
+        s[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        s[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* then pairs of pairs */
+        r[i] = _mm512_shuffle_ps(s[i], s[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(s[i], s[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(s[i + 1], s[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(s[i + 1], s[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {  /* then 128-bit lanes, twice */
+        s[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        s[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        s[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        s[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(s[i], s[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(s[i], s[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(s[i + 4], s[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(s[i + 4], s[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(t + i * ldt, r[i]);
+}
+
+/* t (f x d) = w^T for w (d x f): 16 x 16 blocks in registers where both are multiples of 16 (4x faster at 64 x 64
+   than the element loop, which the copy of an expert's weights for mode 1 would otherwise spend most of its time in) */
+__attribute__((target("avx512f")))
+static void transpose(const float *w, int64_t d, int64_t f, float *t)
+{
+    if (d % 16 == 0 && f % 16 == 0) {
+        for (int64_t i = 0; i < d; i += 16)
+            for (int64_t j = 0; j < f; j += 16) transpose16(w + i * f + j, f, t + j * d + i, d);
+        return;
+    }
+    for (int64_t i = 0; i < d; ++i)
+        for (int64_t j = 0; j < f; ++j) t[j * d + i] = w[i * f + j];
+}
+
+/* c (rows x width) = A (rows x depth, element (r, k) at a[r * ar + k * ak]) @ b (depth x width, rows ldb apart) */
+__attribute__((target("avx512f")))
+static void chained_product(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t rows,
+                            int64_t depth, int64_t width, float *c, int64_t ldc, int fused)
+{
+    for (int64_t j0 = 0; j0 < width; j0 += 16 * PRODUCT_VECTORS) {
+        int vectors = (int)((width - j0) / 16 < PRODUCT_VECTORS ? (width - j0) / 16 : PRODUCT_VECTORS);
+        for (int64_t r0 = 0; r0 < rows; r0 += PRODUCT_ROWS) {
+            int rows_used = (int)(rows - r0 < PRODUCT_ROWS ? rows - r0 : PRODUCT_ROWS);
+            tile_of(a + r0 * ar, ar, ak, b + j0, ldb, depth, c + r0 * ldc + j0, ldc, rows_used, vectors, fused);
+        }
+    }
+}
+#endif
+
+int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int64_t rows, int64_t d, int64_t f,
+                       const float *a, const float *b, float *c, int64_t min_rows, int64_t max_rows,
+                       int64_t fused_from)
+{
+#ifdef EXACT_PRODUCTS
+    int64_t vector_width = mode == 1 ? d : f;
+    if (vector_width % 16 != 0 || !__builtin_cpu_supports("avx512f")) return -3;
+    int64_t total = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        if (counts[e] < 0) return -1;
+        total += counts[e];
+    }
+    if (total != rows) return -1;
+    float *transposed = mode == 1 ? malloc(d * f * sizeof(float)) : NULL;  /* b[e]^T (F x D) for mode 1 */
+    if (mode == 1 && transposed == NULL) return -2;
+    int64_t left = 0, start = 0;
+    for (int64_t e = 0; e < experts; start += counts[e], ++e) {
+        int64_t n = counts[e];
+        if (n < min_rows || n > max_rows) {
+            left += n > 0 || mode == 2;
+            continue;
+        }
+        int fused = n >= fused_from;
+        if (mode == 0) {
+            chained_product(a + start * d, d, 1, b + e * d * f, f, n, d, f, c + start * f, f, fused);
+        } else if (mode == 1) {
+            transpose(b + e * d * f, d, f, transposed);
+            chained_product(a + start * f, f, 1, transposed, d, n, f, d, c + start * d, d, fused);
+        } else {
+            chained_product(a + start * d, 1, d, b + start * f, f, d, n, f, c + e * d * f, f, fused);
+        }
+    }
+    free(transposed);
+    return left;
+#else
+    (void)mode; (void)experts; (void)counts; (void)rows; (void)d; (void)f; (void)a; (void)b; (void)c;
+    (void)min_rows; (void)max_rows; (void)fused_from;
+    return -3;
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
