@@ -53,7 +53,7 @@ from moe_rl.masked import masked_mean, masked_sum
 from moe_rl.model import MoETransformer
 from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
-from moe_rl.policy import policy_forward
+from moe_rl.policy import PolicyOutput, policy_forward
 from moe_rl.probes import NativeRouting, Prober, probes_whole_batch
 from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
 from moe_rl.routing import RoutingTrace
@@ -93,6 +93,7 @@ class OldPass:
     native: NativeRouting | None  # reused by the probes when native
     router_entropy_LBS: torch.Tensor | None
     ref_logp_BN: torch.Tensor | None  # the reference policy's log-probs, with a KL penalty
+    first_update: PolicyOutput | None = None  # update 0's forward, when the old pass ran it (Trainer.old_pass)
 
 
 class Trainer:
@@ -111,6 +112,7 @@ class Trainer:
         # A resume takes the weights from its checkpoint, so it does not need init_from to still exist.
         self.model = build_model(cfg.model, device, cfg.seed, cfg.init_from if init_weights else None)
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
+        self.reuse_first_forward = True  # _old_pass_runs_first_update; off only to compare the two paths
         # Training forwards go through DDP under torchrun; sampling, the old pass and probes use self.model, no grad.
         # The loop dispatch skips experts without tokens, so DDP must look for parameters without a gradient.
         # --parallel fsdp2 shards self.model in place instead (moe_rl.distributed, FSDP2).
@@ -238,39 +240,68 @@ class Trainer:
 
     @torch.no_grad()
     def old_pass(self, batch: RolloutBatch, chunks) -> OldPass:
-        """theta_old log-probs and routing, chunk by chunk (the same chunks the updates use)."""
+        """theta_old log-probs and routing, chunk by chunk (the same chunks the updates use). Where update 0's forward
+        would repeat chunk 0's (`_old_pass_runs_first_update`), chunk 0 runs once, with autograd, for both."""
         mode, temp = self.cfg.routing_mode, self.cfg.rollout.sampling.temperature
         # Router entropy serves only the probes' router-load metrics, and only when they reuse this pass.
         with_entropy = probes_whole_batch(self.cfg.probes, batch.size)
-        logps, traces, entropies = [], [], []
-        for chunk in chunks:
+        logps, traces, entropies, first_update = [], [], [], None
+        for j, chunk in enumerate(chunks):
             rows = batch.rows(chunk)
-            if mode == "R3":
+            if j == 0 and self._old_pass_runs_first_update():
+                out = first_update = self._first_update_forward(rows, with_entropy)
+            elif mode == "R3":
                 out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing)
             else:
                 out = policy_forward(self.model, rows, temp, record=True, with_entropy=with_entropy)
-                if with_entropy:
-                    entropies.append(out.router_entropy_LBS)
-            logps.append(out.logp_BN)
+            if mode != "R3" and with_entropy:
+                entropies.append(out.router_entropy_LBS)
+            logps.append(out.logp_BN.detach())
             traces.append(out.trace)
         old_logp_BN, old_trace = torch.cat(logps), RoutingTrace.cat(traces)
         native = None if mode == "R3" else NativeRouting(old_trace, old_logp_BN, self.updates)
         entropy = torch.cat(entropies, dim=1) if entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
-        return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN)
+        return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN, first_update)
+
+    def _old_pass_runs_first_update(self) -> bool:
+        """Whether chunk 0 of the old pass is also update 0's forward. Both run theta_old on the same rows, in the same
+        layout, with the same routing (native ids, which R2 then replays; or the sampler's, under R3), and on CPU a
+        forward with autograd gives a forward without it bit for bit, so one forward serves both: the step saves a
+        forward of one minibatch (about 3% of a paper-shape step) and no number changes (tests/test_train.py checks
+        metrics and weights with and without). Only in one process (DDP and FSDP2 forwards go through wrappers with
+        collectives of their own) and for the native model, whose forward does not depend on train/eval mode (the
+        old pass runs in eval mode, the updates in train mode; a Hugging Face model may have dropout)."""
+        return self.reuse_first_forward and not distributed.active() and isinstance(self.model, MoETransformer)
+
+    def _first_update_forward(self, rows: RolloutBatch, with_entropy: bool) -> PolicyOutput:
+        """Update 0's forward (with autograd, train mode), recording what the old pass records: the native routing
+        (R2 replays it at update 0, so it is also the replay probe's native trace) or, under R3, the native routing
+        beside the sampler's replayed one when the replay probe is due."""
+        temp = self.cfg.rollout.sampling.temperature
+        self.model.train()
+        with torch.enable_grad():
+            if self.cfg.routing_mode == "R3":
+                record_native = self.cfg.probes.due("replay", self.updates)
+                return policy_forward(self.train_model, rows, temp, replay=rows.sampler_routing,
+                                      record_native=record_native)
+            out = policy_forward(self.train_model, rows, temp, record=True, with_entropy=with_entropy)
+        return replace(out, native_trace=out.trace) if self.cfg.routing_mode == "R2" else out
 
     def _ref_logprobs(self, batch, chunks) -> torch.Tensor:
         temp = self.cfg.rollout.sampling.temperature
         return torch.cat([policy_forward(self.ref_model, batch.rows(c), temp).logp_BN for c in chunks])
 
     def update(self, mb: RolloutBatch, old_logp_BN, replay: RoutingTrace | None, ref_logp_BN, prober: Prober,
-               minibatch: int, share: LossShare | None = None) -> dict:
-        """Forward, backward and gradient clipping on minibatch `mb` (this rank's rows of it); returns its metrics.
-        The caller takes the optimizer step."""
+               minibatch: int, share: LossShare | None = None, forward: PolicyOutput | None = None) -> dict:
+        """Forward (unless `forward` is its output, run by the old pass), backward and gradient clipping on minibatch
+        `mb` (this rank's rows of it); returns its metrics. The caller takes the optimizer step."""
         self.model.train()
         record_native = replay is not None and prober.cfg.due("replay", self.updates)
-        out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
-                             record_native=record_native)
+        out = forward
+        if out is None:
+            out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
+                                 record_native=record_native)
         mask_BN = mb.response_mask_BN
         total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share)
         metrics.update({"loss/total": total.item(), "grad_norm": self._backward(total),
@@ -328,7 +359,9 @@ class Trainer:
         else:
             replay = self._replay_trace(batch, old.trace, chunk)
             ref = old.ref_logp_BN[chunk] if old.ref_logp_BN is not None else None
-            metrics.update(self.update(batch.rows(chunk), old.logp_BN[chunk], replay, ref, prober, j, share))
+            forward, old.first_update = (old.first_update, None) if j == 0 else (None, old.first_update)
+            metrics.update(self.update(batch.rows(chunk), old.logp_BN[chunk], replay, ref, prober, j, share,
+                                       forward))
         # Every rank agrees, so a NaN in one rank's loss stops every rank (their gradients are all-reduced already).
         finite = distributed.all_true(math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["grad_norm"]))
         if finite:  # a non-finite step is never taken; rl_step logs it and stops the run

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 
@@ -228,3 +229,48 @@ def test_old_pass_keeps_router_entropy_only_when_the_probes_reuse_it(tmp_path, s
     assert (old.router_entropy_LBS is not None) == (sequences is None)
     if sequences is None:
         assert old.router_entropy_LBS.shape == old.trace.ids_LBSK.shape[:3]
+
+
+@pytest.mark.parametrize("routing_mode, probe_rows, kl_coef", [("native", 5, 0.0), ("R2", None, 0.0),
+                                                               ("R3", 5, 0.1)])
+def test_old_pass_running_update_0s_forward_changes_no_number(tmp_path, routing_mode, probe_rows, kl_coef,
+                                                              monkeypatch):
+    """Chunk 0 of the old pass, run once with autograd, serves as update 0's forward: every metric (the replay
+    probe's too), every routing table row and every weight must be those of the run that repeats the forward, and
+    the step must run one forward fewer."""
+    import moe_rl.train
+    from moe_rl.train import Trainer
+
+    forwards = []
+    real_forward = moe_rl.train.policy_forward
+
+    def counting_forward(*args, **kwargs):
+        forwards.append(torch.is_grad_enabled())
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(moe_rl.train, "policy_forward", counting_forward)
+    runs = {}
+    for reuse in (True, False):
+        cfg = tiny_train_config(tmp_path / str(reuse), routing_mode=routing_mode, kl_coef=kl_coef,
+                                probes=ProbeConfig(sequences=probe_rows), optim=OptimConfig(lr=3e-3))
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.reuse_first_forward = reuse
+        lines = []
+        forwards.clear()
+        for _ in range(2):
+            trainer.rl_step(lines.append)
+            trainer.step += 1
+        tables = [pd.read_parquet(path) for path in sorted((tmp_path / str(reuse)).glob("routing/*.parquet"))]
+        runs[reuse] = (_comparable(lines), {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                       list(forwards), tables)
+    (lines_reused, weights_reused, forwards_reused, tables_reused), (
+        lines_repeated, weights_repeated, forwards_repeated, tables_repeated) = runs[True], runs[False]
+    assert lines_reused == lines_repeated
+    assert len(tables_reused) == len(tables_repeated) == 2
+    assert all(a.equals(b) for a, b in zip(tables_reused, tables_repeated))
+    assert weights_reused.keys() == weights_repeated.keys()
+    assert all(torch.equal(weights_reused[k], weights_repeated[k]) for k in weights_reused)
+    trainer_forwards = 2 * (2 + (kl_coef > 0)) * cfg.minibatches  # per step: old pass, updates (and reference)
+    assert len(forwards_repeated) == trainer_forwards and len(forwards_reused) == trainer_forwards - 2
+    if routing_mode == "R2":
+        assert all(line["routing/replay/churn"] == 0.0 for line in lines_reused if line["minibatch"] == 0)
