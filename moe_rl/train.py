@@ -269,10 +269,13 @@ class Trainer:
         layout, with the same routing (native ids, which R2 then replays; or the sampler's, under R3), and on CPU a
         forward with autograd gives a forward without it bit for bit, so one forward serves both: the step saves a
         forward of one minibatch (about 3% of a paper-shape step) and no number changes (tests/test_train.py checks
-        metrics and weights with and without). Only in one process (DDP and FSDP2 forwards go through wrappers with
-        collectives of their own) and for the native model, whose forward does not depend on train/eval mode (the
-        old pass runs in eval mode, the updates in train mode; a Hugging Face model may have dropout)."""
-        return self.reuse_first_forward and not distributed.active() and isinstance(self.model, MoETransformer)
+        metrics and weights with and without). Only on CPU (where that equality is what the tests check; on a GPU
+        the graph of chunk 0 would also be held through evaluation's sampling), in one process (DDP and FSDP2
+        forwards go through wrappers with collectives of their own) and for the native model, whose forward does not
+        depend on train/eval mode (the old pass runs in eval mode, the updates in train mode; a Hugging Face model
+        may have dropout)."""
+        return (self.reuse_first_forward and self.device.type == "cpu" and not distributed.active()
+                and isinstance(self.model, MoETransformer))
 
     def _first_update_forward(self, rows: RolloutBatch, with_entropy: bool) -> PolicyOutput:
         """Update 0's forward (with autograd, train mode), recording what the old pass records: the native routing
