@@ -54,15 +54,21 @@ def test_rows_with_equal_or_missing_values_are_redone_by_torch():
 
 
 @needs_native
-def test_wide_rows_with_ties_or_nan_anywhere_are_redone_by_torch():
-    """The same on rows wide enough for the group-maxima bound (a NaN in the tail group, or below the bound, must still
-    mark the row; a tie of two group maxima must not hide a value)."""
-    scores_TE = torch.rand(6, 130)
-    scores_TE[0, 129] = float("nan")  # the ragged tail group
+@pytest.mark.parametrize("width", [130, 128, 256])  # a ragged tail group; whole 16-column vectors (AVX-512 version)
+def test_wide_rows_with_ties_or_nan_anywhere_are_redone_by_torch(width):
+    """The same on rows wide enough for the group-maxima bound (a NaN in the last column, or below the bound, must
+    still mark the row; a tie of two group maxima must not hide a value; a row of equal values gathers every column
+    as a candidate)."""
+    scores_TE = torch.rand(9, width)
+    scores_TE[0, width - 1] = float("nan")
     scores_TE[1, 40] = float("nan")  # a value the bound would skip
     scores_TE[2, [5, 21]] = 3.0  # equal maxima of the same interleaved group
     scores_TE[3, [5, 6]] = 3.0  # equal maxima of neighbouring groups
-    assert _kernel_unclear_rows(scores_TE, 8) == [0, 1, 2, 3]
+    scores_TE[4] = 0.5  # every value equal
+    scores_TE[5, 60:] = 0.999  # many equal values, the largest
+    scores_TE[6, ::2] = scores_TE[6, ::2].round(decimals=1)  # ties below the top 9 only: a clear row
+    scores_TE[6, [7, 9, 11, 13, 15, 17, 19, 23, 25]] = torch.arange(2.0, 2.9, 0.1)
+    assert _kernel_unclear_rows(scores_TE, 8) == [0, 1, 2, 3, 4, 5]
     assert torch.equal(topk_indices(scores_TE, 8), scores_TE.topk(8, dim=-1).indices)
 
 
