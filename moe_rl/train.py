@@ -362,7 +362,8 @@ class Trainer:
         else:
             replay = self._replay_trace(batch, old.trace, chunk)
             ref = old.ref_logp_BN[chunk] if old.ref_logp_BN is not None else None
-            forward, old.first_update = (old.first_update, None) if j == 0 else (None, old.first_update)
+            forward = old.first_update if j == 0 else None
+            old.first_update = None  # its graph is not held past update 0
             metrics.update(self.update(batch.rows(chunk), old.logp_BN[chunk], replay, ref, prober, j, share,
                                        forward))
         # Every rank agrees, so a NaN in one rank's loss stops every rank (their gradients are all-reduced already).

@@ -166,7 +166,8 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
         left = _exact_products(mode, counts_E, rows, D, F, a, b, c, plan)
         if left == 0:
             return
-        skip_min_rows, skip_max_rows = plan.min_rows, plan.max_rows
+        if left > 0:  # else (-3: it could not run) MKL computes every expert
+            skip_min_rows, skip_max_rows = plan.min_rows, plan.max_rows
     status = native_library().expert_sgemm(_sgemm_batch(), mode, E, counts_E.data_ptr(), rows, D, F, a.data_ptr(),
                                            b.data_ptr(), c.data_ptr(), skip_min_rows, skip_max_rows)
     _raise_for_status(status, counts_E, rows)
