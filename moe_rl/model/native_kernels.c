@@ -479,39 +479,32 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
 
 #ifdef AVX512_KERNELS
 
+/* One step of an output element's chain over the depth: acc + x * y, in one rounding (fused) or with the product
+   rounded before the sum. `fused` is a constant wherever this is inlined (TILE_CASE), so no branch is left. */
+AVX512_HELPER __m512 chain_step(__m512 x, __m512 y, __m512 acc, const int fused)
+{
+    return fused ? _mm512_fmadd_ps(x, y, acc) : _mm512_add_ps(acc, _mm512_mul_ps(x, y));
+}
+
 /* c[r][j] = sum over k of a[r * ar + k * ak] * b[k * ldb + j], for r < rows_used and j < 16 * vectors: inlined at
    each call with constant rows_used and vectors, so the accumulators stay in registers. */
 AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
-                                float *c, int64_t ldc, const int rows_used, const int vectors, int fused)
+                                float *c, int64_t ldc, const int rows_used, const int vectors, const int fused)
 {
     __m512 acc[PRODUCT_ROWS][PRODUCT_VECTORS];
 #pragma GCC unroll 4
     for (int r = 0; r < rows_used; ++r)
 #pragma GCC unroll 4
         for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
-    if (fused) {
-        for (int64_t k = 0; k < depth; ++k) {
-            __m512 bk[PRODUCT_VECTORS];
+    for (int64_t k = 0; k < depth; ++k) {
+        __m512 bk[PRODUCT_VECTORS];
 #pragma GCC unroll 4
-            for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
+        for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
 #pragma GCC unroll 4
-            for (int r = 0; r < rows_used; ++r) {
-                __m512 ark = _mm512_set1_ps(a[r * ar + k * ak]);
+        for (int r = 0; r < rows_used; ++r) {
+            __m512 ark = _mm512_set1_ps(a[r * ar + k * ak]);
 #pragma GCC unroll 4
-                for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_fmadd_ps(ark, bk[v], acc[r][v]);
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < depth; ++k) {
-            __m512 bk[PRODUCT_VECTORS];
-#pragma GCC unroll 4
-            for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
-#pragma GCC unroll 4
-            for (int r = 0; r < rows_used; ++r) {
-                __m512 ark = _mm512_set1_ps(a[r * ar + k * ak]);
-#pragma GCC unroll 4
-                for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_mul_ps(ark, bk[v]));
-            }
+            for (int v = 0; v < vectors; ++v) acc[r][v] = chain_step(ark, bk[v], acc[r][v], fused);
         }
     }
 #pragma GCC unroll 4
@@ -520,8 +513,11 @@ AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const fl
         for (int v = 0; v < vectors; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
 }
 
-/* One tile of rows_used rows with the columns' vectors in constants, so product_tile unrolls. */
-#define TILE_CASE(R, V) product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, fused)
+/* One tile of rows_used rows with the columns' vectors and `fused` in constants, so product_tile unrolls and keeps
+   one kind of step. */
+#define TILE_CASE(R, V)                                                  \
+    (fused ? product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 1)     \
+           : product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 0))
 AVX512_HELPER void tile_of(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
                            float *c, int64_t ldc, int rows_used, int vectors, int fused)
 {
