@@ -22,6 +22,19 @@ def _sorted_rows(counts_E: torch.Tensor, d_in: int, d_out: int):
     return x_ND, w_EDF, counts_E.cumsum(0).to(torch.int32)
 
 
+def _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E):
+    """grouped_mm and torch._grouped_mm give the same output and the same gradients of x and w, bit for bit."""
+    upstream_NF = torch.randn(x_ND.shape[0], w_EDF.shape[2])
+    results = []
+    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+        y = product(x, w)
+        y.backward(upstream_NF)
+        results.append((y.detach(), x.grad, w.grad))
+    for ours, torchs, name in zip(*results, ("output", "input grad", "weight grad")):
+        assert torch.equal(ours, torchs), name
+
+
 @needs_mkl
 @pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64), (64, 128), (256, 512), (24, 48)])
 def test_batch_call_equals_torch_grouped_mm_at_every_group_size(d_in, d_out):
@@ -46,16 +59,8 @@ def test_batch_call_fills_rows_of_a_single_busy_expert():
 def test_batch_calls_give_torch_grouped_mm_gradients_at_every_group_size(d_in, d_out):
     counts_E = torch.arange(130)[torch.randperm(130)]  # includes the one-slot expert (a matrix-vector product)
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
-    upstream_NF = torch.randn(x_ND.shape[0], d_out)
-    grads = []
-    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
-        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
-        y = product(x, w)
-        y.backward(upstream_NF)
-        grads.append((y.detach(), x.grad, w.grad))
-    assert "MKLGroupedMM" in type(grouped_mm(x, w, counts_E).grad_fn).__name__
-    for ours, torchs, name in zip(grads[0], grads[1], ("output", "input grad", "weight grad")):
-        assert torch.equal(ours, torchs), name
+    _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E)
+    assert "MKLGroupedMM" in type(grouped_mm(x_ND.requires_grad_(), w_EDF, counts_E).grad_fn).__name__
 
 
 @needs_mkl
@@ -200,15 +205,7 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
     counts_E = torch.tensor([0, 1, 2, 3, 4, 5, 17, 191, 192, 193, 250, 1024, 1100] + [2] * 20)
     counts_E = counts_E[torch.randperm(counts_E.numel())]
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
-    upstream_NF = torch.randn(x_ND.shape[0], d_out)
-    grads = []
-    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
-        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
-        y = product(x, w)
-        y.backward(upstream_NF)
-        grads.append((y.detach(), x.grad, w.grad))
-    for ours, torchs, name in zip(grads[0], grads[1], ("output", "input grad", "weight grad")):
-        assert torch.equal(ours, torchs), name
+    _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E)
     assert len(left_to_mkl) == 3 and all(left > 0 for left in left_to_mkl)
 
 
@@ -218,11 +215,11 @@ def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
     from moe_rl.model import grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "_PLAN_START", {**grouped_gemm._PLAN_START, grouped_gemm._FORWARD: start})
-    grouped_gemm._checked_plan.cache_clear()
+    grouped_gemm.exact_plan.cache_clear()
     try:
         assert grouped_gemm.exact_plan(grouped_gemm._FORWARD, 64, 64) is None
     finally:
-        grouped_gemm._checked_plan.cache_clear()
+        grouped_gemm.exact_plan.cache_clear()
 
 
 @needs_avx512

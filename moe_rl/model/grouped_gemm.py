@@ -201,20 +201,30 @@ _CHECKED_SIZES = (*range(0, 201), 224, 256, 320, 384, 512, 768, 1024)
 _MIN_SERVED_SIZE = 64  # a plan that agrees with MKL only on smaller groups is not worth its second code path
 
 
+def _found_once_per_shape(find):
+    """`find`, a search for how MKL rounds at one shape, run once per shape and process (cached), without autograd,
+    and only where MKL runs on one thread: what it finds holds for that thread count. None where MKL does not."""
+    cached = functools.cache(find)
+
+    @functools.wraps(find)
+    def at_one_thread(*shape, **named_shape):
+        if not single_threaded_mkl():
+            return None
+        with torch.no_grad():
+            return cached(*shape, **named_shape)
+
+    at_one_thread.cache_clear = cached.cache_clear  # for tests that change what the search starts from
+    return at_one_thread
+
+
+@_found_once_per_shape
 def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
-    """The C loop's plan for this product and shape on this machine, or None where it must not serve."""
-    if not single_threaded_mkl():
-        return None
-    with torch.no_grad():
-        return _checked_plan(mode, d, f)
+    """The C loop's plan for this product and shape on this machine, or None where it must not serve.
 
-
-@functools.cache
-def _checked_plan(mode: int, d: int, f: int) -> ExactPlan | None:
-    """Both kernels on the same random operands with one group of every size in _CHECKED_SIZES; the plan serves the
+    Both kernels run on the same random operands with one group of every size in _CHECKED_SIZES; the plan serves the
     sizes from its start up to the largest checked size below which every group came out bit-identical. The order
     in which a matrix kernel sums is the same for all values, so one draw shows it (random values make a different
-    order show in almost every element). Once per shape and process, a few ms."""
+    order show in almost every element). A few ms."""
     min_rows, fused_from = _PLAN_START[mode]
     counts_E = torch.tensor(_CHECKED_SIZES, dtype=torch.int64)
     rows, E = int(counts_E.sum()), counts_E.numel()
@@ -254,6 +264,7 @@ def _exact_products(mode: int, counts_E, rows: int, D: int, F: int, a, b, c, pla
     return status
 
 
+@_found_once_per_shape
 def exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:
     """The smallest m0 such that, on this machine, every row of an m-row block product (m0 <= m <= capacity, one MKL
     batch call) equals the same row of torch.bmm over capacity-row blocks; None where MKL cannot serve.
@@ -263,15 +274,6 @@ def exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:
     products). The padded expert kernel multiplies blocks of C rows (the largest group) with torch.bmm; an expert's
     real rows come out the same from a shorter block of at least m0 rows, so the padded kernel's numbers can be
     computed without most of its padding (moe.Experts._padded). Found by trying, once per shape."""
-    if not single_threaded_mkl():
-        return None
-    with torch.no_grad():
-        return _exact_min_block_rows(d_in, d_out, capacity)
-
-
-@functools.cache
-def _exact_min_block_rows(d_in: int, d_out: int, capacity: int) -> int | None:
-    # Only called at one thread (single_threaded_mkl), so the answer does not depend on the thread count.
     generator = torch.Generator().manual_seed(0)
     x_2CD = torch.randn(2, capacity, d_in, generator=generator)
     w_2DF = torch.randn(2, d_in, d_out, generator=generator)
