@@ -1,6 +1,6 @@
 """Where one RL step's time goes, by phase, at the tiny default model and at the paper's shape (CPU, one thread).
 
-Runs the real trainer (`moe_rl.train.Trainer.rl_step`, default GRPO on chain_sum, default probes) for one warm-up
+Runs the real trainer (`moe_rl.trainer.Trainer.rl_step`, default GRPO on chain_sum, default probes) for one warm-up
 rollout step and `--steps` measured ones, 16 prompts x 8 completions and 4 minibatches, and splits each measured
 step with the trainer's own `time/*` metrics (docs/metrics.md) into: sample (generation and scoring), old pass,
 updates (forward, backward, clipping), optimizer (AdamW and scheduler), probes (rollout-level and per-update). The
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-import moe_rl.train
+import moe_rl.trainer
 from benchmarks.timing import write_csv
 from moe_rl.config import TrainConfig
 from moe_rl.model import ModelConfig
 from moe_rl.probes import ProbeConfig
-from moe_rl.train import Trainer
+from moe_rl.trainer import Trainer
 
 SHAPES = {
     "tiny (default model, L4 E8 K2)": ModelConfig(),
@@ -50,14 +50,14 @@ def phases(lines: list[dict]) -> dict[str, float]:
 
 
 class _CPUClock:
-    """Stands in for the `time` module inside moe_rl.train, so its time/* metrics count this process's CPU seconds
+    """Stands in for the `time` module inside moe_rl.trainer, so its time/* metrics count this process's CPU seconds
     (robust on a shared machine) instead of wall seconds."""
 
     perf_counter = staticmethod(time.process_time)
 
 
 def bench_shape(model: ModelConfig, probes: ProbeConfig, steps: int) -> dict:
-    moe_rl.train.time = _CPUClock
+    moe_rl.trainer.time = _CPUClock
     with tempfile.TemporaryDirectory() as out_dir:
         cfg = TrainConfig(out_dir=out_dir, model=model, probes=probes, device="cpu", total_steps=steps + 1)
         trainer = Trainer(cfg, torch.device("cpu"))

@@ -19,7 +19,7 @@ Besides DDP's gradient all-reduce, the ranks exchange (each call made by every r
 - `gather_objects`: small python objects (per-rank row counts and sampling failures, generator states for a
   checkpoint, routing-table rows, metric dicts); `broadcast_object`: how opening the run directory went on rank 0;
 - `all_true`: agreement on a yes/no (is this optimizer step finite?), so that a NaN on one rank stops every rank;
-- `sum_across_ranks`: counts of sequences and tokens, the loss weights of moe_rl.train.
+- `sum_across_ranks`: counts of sequences and tokens, the loss weights of moe_rl.trainer.
 
 Metric reduction (`reduce_metrics`) goes by the last part of a metric's name (after the last "/"), split at "_":
 
@@ -32,7 +32,7 @@ dropped reports no ratio metrics). A NaN on any rank makes the reduced value NaN
 such as `kl` becomes the mean of per-rank token means, which is the token mean over all ranks only when the ranks
 hold equally many tokens. Means over sequences with equally many sequences per rank (reward, reward_std,
 completions/mean_length, the loss of grpo or gspo) are exact, and `loss` and `loss/total` are exact for every
-objective because moe_rl.train weights each rank's loss by its share of the batch.
+objective because moe_rl.trainer weights each rank's loss by its share of the batch.
 """
 
 from __future__ import annotations

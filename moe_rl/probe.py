@@ -45,7 +45,7 @@ from moe_rl.routing import RoutingTrace
 from moe_rl.runs.checkpoint import load_checkpoint
 from moe_rl.tasks import TaskConfig
 from moe_rl.traces import compare_with_model
-from moe_rl.train import Trainer
+from moe_rl.trainer import Trainer
 
 
 @dataclass

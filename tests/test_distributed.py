@@ -91,24 +91,24 @@ def test_torchrun_resume_continues_every_rank_exactly(ddp_run, tmp_path):
 
 NAN_ON_RANK_1 = """
     import os, sys
-    import moe_rl.train as train_module
+    import moe_rl.trainer as trainer_module
     from moe_rl.cli import main
 
     if os.environ["RANK"] == "1":
         if sys.argv[1] == "loss":  # a NaN loss on rank 1 whose gradient is finite: only the agreement can see it
-            loss = train_module.Trainer._loss
+            loss = trainer_module.Trainer._loss
             def nan_loss(self, *args):
                 total, metrics = loss(self, *args)
                 return (total + float("nan") * total.detach() if self.updates == 2 else total), metrics
-            train_module.Trainer._loss = nan_loss
+            trainer_module.Trainer._loss = nan_loss
         else:  # non-finite logits while sampling step 1 on rank 1
-            generate_groups, calls = train_module.generate_groups, []
+            generate_groups, calls = trainer_module.generate_groups, []
             def failing(*args):
                 calls.append(args)
                 if len(calls) == 2:
                     raise FloatingPointError("the model produced non-finite logits while sampling")
                 return generate_groups(*args)
-            train_module.generate_groups = failing
+            trainer_module.generate_groups = failing
     sys.exit(main(["train", *sys.argv[2:]]))
 """
 
@@ -164,7 +164,7 @@ def _equivalence_config(out_dir, objective: str):
 
 def _fixed_batch(path: Path):
     """16 sampled rows of the tiny model with synthetic advantages (a random init earns no reward to learn from)."""
-    from moe_rl.train import Trainer
+    from moe_rl.trainer import Trainer
 
     trainer = Trainer(_equivalence_config(path.parent / "unused", "grpo"), torch.device("cpu"))
     batch, _ = trainer.rollout()
@@ -175,14 +175,15 @@ def _fixed_batch(path: Path):
 
 def _train_on(batch, cfg):
     """train(cfg) with every rollout step replaced by `batch`."""
-    from moe_rl import train as train_module
+    from moe_rl.train import train
+    from moe_rl.trainer import Trainer
 
-    rollout = train_module.Trainer.rollout
-    train_module.Trainer.rollout = lambda self: (batch, {})
+    rollout = Trainer.rollout
+    Trainer.rollout = lambda self: (batch, {})
     try:
-        return train_module.train(cfg)
+        return train(cfg)
     finally:
-        train_module.Trainer.rollout = rollout
+        Trainer.rollout = rollout
 
 
 def _equivalence_worker(rank: int, world: int, tmp: str) -> None:

@@ -144,7 +144,7 @@ def test_the_sampler_trace_equals_a_full_forward(family):
 
 
 def test_a_deep_copy_routes_through_its_own_sites():
-    """train.py's frozen reference model is a deepcopy: its hooks must report to the copy's sessions."""
+    """trainer.py's frozen reference model is a deepcopy: its hooks must report to the copy's sessions."""
     model = hf_model("qwen3_moe")
     ref = copy.deepcopy(model)
     ids_BS, valid_BS = padded_batch()

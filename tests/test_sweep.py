@@ -24,7 +24,7 @@ from moe_rl.runs.runlog import config_to_dict, read_manifest
 from experiments import get_experiment
 from moe_rl.sweep.command import plan_sweep, print_plan
 from moe_rl.sweep.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
-from moe_rl.train import Trainer
+from moe_rl.trainer import Trainer
 
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64)
 

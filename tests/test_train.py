@@ -219,7 +219,7 @@ def test_cli_config_file_is_the_default_and_flags_override_it(tmp_path):
 def test_old_pass_keeps_router_entropy_only_when_the_probes_reuse_it(tmp_path, sequences):
     """The probes reuse the old pass (and its router entropy) only when they take the whole batch; otherwise the
     old pass skips the entropy and the probes compute it on their own rows."""
-    from moe_rl.train import Trainer
+    from moe_rl.trainer import Trainer
 
     cfg = tiny_train_config(tmp_path / "run", probes=ProbeConfig(sequences=sequences))
     trainer = Trainer(cfg, torch.device("cpu"))
@@ -238,17 +238,17 @@ def test_old_pass_running_update_0s_forward_changes_no_number(tmp_path, routing_
     """Chunk 0 of the old pass, run once with autograd, serves as update 0's forward: every metric (the replay
     probe's too), every routing table row and every weight must be those of the run that repeats the forward, and
     the step must run one forward fewer."""
-    import moe_rl.train
-    from moe_rl.train import Trainer
+    import moe_rl.trainer
+    from moe_rl.trainer import Trainer
 
     forwards = []
-    real_forward = moe_rl.train.policy_forward
+    real_forward = moe_rl.trainer.policy_forward
 
     def counting_forward(*args, **kwargs):
         forwards.append(torch.is_grad_enabled())
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(moe_rl.train, "policy_forward", counting_forward)
+    monkeypatch.setattr(moe_rl.trainer, "policy_forward", counting_forward)
     runs = {}
     for reuse in (True, False):
         cfg = tiny_train_config(tmp_path / str(reuse), routing_mode=routing_mode, kl_coef=kl_coef,

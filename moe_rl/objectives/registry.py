@@ -26,7 +26,7 @@ ObjectiveFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 CLIP_SPACES = ("ratio", "log_ratio", "is_weight")
 # What the loss averages over: non-empty sequences (grpo, gspo, ...), response tokens of the batch (dapo, cispo) or
 # rows, empty or not (dr_grpo's constant B * L_max). Data-parallel training weights each rank's loss by its share of
-# this count, so that the averaged gradient is the gradient of the loss on all ranks' rows together (train.py).
+# this count, so that the averaged gradient is the gradient of the loss on all ranks' rows together (trainer.py).
 LOSS_DENOMINATORS = ("sequences", "tokens", "rows")
 
 
