@@ -193,6 +193,21 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_no_temp(tmp_path):
     assert list(tmp_path.iterdir()) == [target]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_honour_the_umask_like_the_appended_metrics(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        run = RunDir(tmp_path / "run", TinyConfig())
+        write_table(run, "routing", 1, [{"layer": 0, "churn": 0.1}])
+        run.mark_finished()
+        assert os.umask(umask) == umask  # reading the umask put it back
+    finally:
+        os.umask(old)
+    files = [run.path / "config.json", run.path / "manifest.json", run.path / "routing" / "step_000001.parquet",
+             run.path / "metrics.jsonl"]
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(mode) for f in files}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # metrics.jsonl
 

@@ -20,11 +20,14 @@ TEMP_SUFFIX = ".tmp"
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
     """Call `write(file)` on a temp file next to `path`, fsync it, then rename it over `path`.
 
-    The temp file lives in the same folder because `os.replace` is atomic only within one file system.
+    The temp file lives in the same folder because `os.replace` is atomic only within one file system. It gets the
+    mode a plain `open` would give (0666 less the umask): mkstemp's 0600 would hide results and checkpoints from the
+    group on a shared cluster.
     """
     path = Path(path)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as file:
             write(file)
             file.flush()
@@ -35,6 +38,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         raise
     fsync_dir(path.parent)
     return path
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
