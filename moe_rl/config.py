@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from moe_rl.distributed import PARALLEL_MODES
-from moe_rl.errors import ConfigError, check_choice, check_positive
+from moe_rl.errors import ConfigError, check_choice, check_finite_fields, check_positive
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig, get_objective
 from moe_rl.probes import ProbeConfig
@@ -21,6 +21,13 @@ RoutingMode = Literal["native", "R2", "R3"]
 Device = Literal["auto", "cpu", "cuda"]
 TrackerName = Literal["tensorboard", "wandb"]
 ROUTING_MODES, DEVICES = get_args(RoutingMode), get_args(Device)
+
+
+def check_numbers(config) -> None:
+    """What every command's config passes before anything else: no NaN or Inf in any float field (each named by its
+    dotted path), and a rotary base > 0 (theta = 0 gives NaN angles, reported much later as a divergence)."""
+    check_finite_fields(config)
+    check_positive("model.rope_theta", config.model.rope_theta)
 
 
 @dataclass
@@ -150,6 +157,7 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
         check_choice("device", self.device, DEVICES)
         check_choice("parallel", self.parallel, PARALLEL_MODES)
@@ -226,6 +234,7 @@ class SFTConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         check_choice("device", self.device, DEVICES)
         for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads", "print_every"):
             check_positive(name, getattr(self, name))

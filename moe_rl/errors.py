@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable
 
 
@@ -30,8 +32,27 @@ def check_choice(field: str, value: object, allowed: Iterable[object]) -> None:
         raise ConfigError(f"{field}={value!r} is not valid; choose one of: {choices}")
 
 
+def check_finite(field: str, value: float) -> None:
+    """Refuse NaN and +-Inf for `field`: every comparison with NaN is False, so a NaN would pass any bound check
+    and silently turn a feature off (`grad_clip > 0`) or surface much later as a divergence of the model."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{field}={value!r} must be a finite number")
+
+
+def check_finite_fields(config: object, prefix: str = "") -> None:
+    """check_finite on every float field of a (nested) config dataclass, named by its dotted path (optim.lr):
+    the one place that keeps NaN and Inf out of every command's config."""
+    for f in dataclasses.fields(config):
+        value, name = getattr(config, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_finite_fields(value, f"{name}.")
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            check_finite(name, item)
+
+
 def check_positive(field: str, value: float, *, allow_zero: bool = False) -> None:
-    """Refuse a negative (or, unless `allow_zero`, a zero) value for `field`."""
+    """Refuse a negative (or, unless `allow_zero`, a zero) value for `field`, and NaN or Inf."""
+    check_finite(field, value)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{field}={value!r} must be {bound}")

@@ -29,12 +29,15 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from moe_rl import distributed
 from moe_rl.build import build_model, resolve_device
-from moe_rl.config import ROUTING_MODES, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+from moe_rl.config import ROUTING_MODES, Device, LogConfig, OptimConfig, RolloutConfig, RoutingMode, TrainConfig, \
+    check_numbers
+from moe_rl.distributed import PARALLEL_MODES
 from moe_rl.errors import ConfigError, check_choice, check_positive
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
@@ -64,20 +67,20 @@ class ProbeCommandConfig:
     """Optimizer steps on minibatches of one rollout batch (the batch must split evenly)."""
     seed: int = 0
     """Seeds sampling and minibatch shuffling (and the model without a checkpoint), as in moe-rl train."""
-    routing_mode: str = "native"
+    routing_mode: RoutingMode = "native"
     """native, R2 or R3 for the updates (as moe-rl train)."""
-    tokens: str = "response"
+    tokens: Literal["response", "all"] = "response"
     """Tokens compared: 'response' (positions that score a response or output token) or 'all' (every position;
     in trace mode every position the engine reported)."""
     margin_thresholds: tuple[float, ...] = MARGIN_THRESHOLDS
     """Report the share of router margins below each of these values."""
     low_margin_quantile: float = LOW_MARGIN_QUANTILE
     """Tokens at or below this quantile of a layer's margins form the low-margin group."""
-    device: str = "auto"
+    device: Device = "auto"
     """auto, cpu or cuda."""
     threads: int = 1
     """torch CPU threads."""
-    parallel: str = "ddp"
+    parallel: Literal[PARALLEL_MODES] = "ddp"  # the tuple spells the choices; --help lists them
     """Under torchrun: 'ddp' or 'fsdp2' (as moe-rl train)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -86,6 +89,7 @@ class ProbeCommandConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         check_positive("updates", self.updates)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
         check_choice("tokens", self.tokens, ("response", "all"))
