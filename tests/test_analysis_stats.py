@@ -1,5 +1,5 @@
-"""analysis/ on constructed data: final evaluations after training, percent tick labels, the within-CI comparison
-of a rerun with the committed table, and the churn scaling fit recovering a known law."""
+"""analysis/ on constructed data: final evaluations after training, percent tick labels, the calibrated comparison
+of a rerun with the committed table (checked by simulation), and the churn scaling fit recovering a known law."""
 
 import math
 import re
@@ -7,11 +7,13 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from moe_rl.errors import ConfigError
 
 from analysis.aggregate import run_finals, run_initials
-from analysis.compare_committed import compare, main as compare_main
+from analysis.aggregate import summarize
+from analysis.compare_committed import compare, main as compare_main, outside_count
 from analysis.scaling import (bootstrap_laws, extrapolation_table, fit_power_law, held_out_check, near_level_cells,
                               split_target)
 from analysis.panels import percent_axis
@@ -85,27 +87,106 @@ def _cells(rows) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("group")
 
 
-def test_compare_flags_a_value_outside_the_committed_ci(tmp_path, capsys):
-    committed = _cells([
-        {"group": "lr=1e-4 layers=8", "churn_mean": 0.015, "churn_ci_low": 0.010, "churn_ci_high": 0.020},
-        {"group": "lr=3e-4 layers=8", "churn_mean": 0.030, "churn_ci_low": 0.025, "churn_ci_high": 0.035},
-        {"group": "lr=1e-3 layers=8", "churn_mean": 0.060, "churn_ci_low": np.nan, "churn_ci_high": np.nan},
-        {"group": "lr=3e-3 layers=8", "churn_mean": 0.100, "churn_ci_low": 0.09, "churn_ci_high": 0.11}])
-    new = _cells([{"group": "lr=1e-4 layers=8", "churn_mean": 0.0083},  # the 1.8x cross-machine move: outside
-                  {"group": "lr=3e-4 layers=8", "churn_mean": 0.031},
-                  {"group": "lr=1e-3 layers=8", "churn_mean": 0.061}])
-    result = compare(new, committed, ["churn"]).set_index("group")["verdict"]
-    assert result.to_dict() == {"lr=1e-4 layers=8": "OUTSIDE", "lr=3e-4 layers=8": "inside",
-                                "lr=1e-3 layers=8": "no CI", "lr=3e-3 layers=8": "missing"}
+def _cell(group: str, values, metric: str = "churn") -> dict:
+    """A churn_vs_lr_depth row as the report writes it (analysis.aggregate.summarize over the seeds)."""
+    summary = summarize(values)
+    return {"group": group, "n_runs": summary["n"], f"{metric}_mean": summary["mean"],
+            f"{metric}_ci_low": summary["ci_low"], f"{metric}_ci_high": summary["ci_high"]}
+
+
+def test_compare_flags_a_shift_by_its_prediction_interval(tmp_path, capsys):
+    committed = _cells([_cell("lr=1e-4 layers=8", [0.014, 0.015, 0.016]),
+                        _cell("lr=3e-4 layers=8", [0.029, 0.030, 0.031]),
+                        _cell("lr=1e-3 layers=8", [0.060]),
+                        _cell("lr=3e-3 layers=8", [0.09, 0.10, 0.11])])
+    new = _cells([_cell("lr=1e-4 layers=8", [0.0080, 0.0083, 0.0086]),  # the 1.8x cross-machine move
+                  _cell("lr=3e-4 layers=8", [0.031, 0.032, 0.033]),
+                  _cell("lr=1e-3 layers=8", [0.061, 0.062, 0.063])])
+    result = compare(new, committed, ["churn"]).set_index("group")
+    assert result["verdict"].to_dict() == {"lr=1e-4 layers=8": "OUTSIDE", "lr=3e-4 layers=8": "inside",
+                                           "lr=1e-3 layers=8": "one run", "lr=3e-3 layers=8": "missing"}
+    # The prediction interval by hand: 0.03 +- t(0.975, 2) 0.001 sqrt(1/3 + 1/3); the sd is backed out of the CI.
+    row = result.loc["lr=3e-4 layers=8"]
+    assert row["sd"] == pytest.approx(0.001, rel=1e-9)
+    assert row["high"] - 0.03 == pytest.approx(4.302653 * 0.001 * math.sqrt(2 / 3), rel=1e-6)
+    assert row["p"] == pytest.approx(2 * stats.t.sf(0.002 / (0.001 * math.sqrt(2 / 3)), 2), rel=1e-9)
+    # A new mean of 3 seeds at 0.033 lies outside the committed CI of the mean [0.0275, 0.0325] but is a
+    # plausible draw from the committed law: the prediction interval [0.0265, 0.0335] keeps it.
+    assert committed.loc["lr=3e-4 layers=8", "churn_ci_high"] < 0.033 < row["high"]
+
     new.reset_index().to_csv(tmp_path / "new.csv", index=False)
     committed.reset_index().to_csv(tmp_path / "old.csv", index=False)
     args = [str(tmp_path / "new.csv"), str(tmp_path / "old.csv"), "--metrics", "churn"]
     assert compare_main(args) == 0
     out = capsys.readouterr().out
-    assert "OUTSIDE  lr=1e-4 layers=8  churn: new 0.0083, committed 0.015 [0.01, 0.02]" in out
-    assert "1 OUTSIDE, 1 inside, 1 missing, 1 no CI of 4" in out
+    assert "OUTSIDE  lr=1e-4 layers=8  churn: new 0.0083 (3 runs), committed 0.015 (3 runs), 95% prediction" in out
+    assert "1 OUTSIDE, 1 inside, 1 missing, 1 one run of 4" in out
+    # 1 of 2 tested: P(>= 1 | no change) = 1 - 0.95^2 = 0.0975, not improbable; --strict passes.
+    assert "1 OUTSIDE of 2 tested; expected under no change 0.1" in out and "= 0.0975" in out
+    assert compare_main([*args, "--strict"]) == 0
+    # Both tested cells moved: P(>= 2 of 2 | no change) = 0.0025, and --strict fails.
+    new.loc["lr=3e-4 layers=8", "churn_mean"] = 0.05
+    new.reset_index().to_csv(tmp_path / "new.csv", index=False)
     assert compare_main([*args, "--strict"]) == 1
+    assert "= 0.0025" in capsys.readouterr().out
     assert compare_main([str(tmp_path / "absent.csv"), str(tmp_path / "old.csv")]) == 2
+
+
+def test_compare_uses_per_seed_values_beside_the_tables(tmp_path, capsys):
+    seeds = {"a": [0.10, 0.12, 0.11], "b": [0.50, 0.52, 0.57]}
+    for name, shift in (("old", 0.0), ("new", 0.005)):
+        folder = tmp_path / name / "tables"
+        folder.mkdir(parents=True)
+        # The cell table's CI is deliberately wrong: per-seed values, when present, are what counts.
+        pd.DataFrame([{**_cell(g, v), "churn_ci_low": 0.0, "churn_ci_high": 1.0} for g, v in seeds.items()]).to_csv(
+            folder / "churn_vs_lr_depth.csv", index=False)
+        pd.DataFrame([{"run": f"{g}{i}", "group": g, "churn": x + shift} for g, v in seeds.items()
+                      for i, x in enumerate(v)]).to_csv(folder / "per_run_final.csv", index=False)
+    args = [str(tmp_path / "new" / "tables" / "churn_vs_lr_depth.csv"),
+            str(tmp_path / "old" / "tables" / "churn_vs_lr_depth.csv"), "--metrics", "churn", "--test", "welch"]
+    assert compare_main(args) == 0
+    out = capsys.readouterr().out
+    assert "sd from new: per-seed values, committed: per-seed values" in out
+    old, new = np.array(seeds["a"]), np.array(seeds["a"]) + 0.005
+    assert f"p {stats.ttest_ind(new, old, equal_var=False).pvalue:.3g}" in out.splitlines()[1]
+
+
+def _null_tables(rng, cells: int, n_old: int, n_new: int, shift_sd: float = 0.0):
+    """Committed and rerun cell tables whose seeds come from one normal law per cell (the rerun's shifted by
+    `shift_sd` sd), each with the t CI the report writes (analysis.aggregate.t_ci, vectorised here)."""
+    means, sds = rng.uniform(0.01, 0.5, cells), rng.uniform(0.001, 0.05, cells)
+
+    def table(n: int, shift: float) -> pd.DataFrame:
+        x = rng.normal((means + shift * sds)[:, None], sds[:, None], (cells, n))
+        half = stats.t.ppf(0.975, n - 1) * x.std(axis=1, ddof=1) / math.sqrt(n) if n > 1 else np.nan
+        return pd.DataFrame({"group": [f"c{i}" for i in range(cells)], "n_runs": n, "churn_mean": x.mean(axis=1),
+                             "churn_ci_low": x.mean(axis=1) - half, "churn_ci_high": x.mean(axis=1) + half})
+
+    committed = table(n_old, 0.0)
+    return table(n_new, shift_sd).set_index("group"), committed.set_index("group")
+
+
+@pytest.mark.parametrize("test, n_old, n_new", [("prediction", 3, 3), ("prediction", 5, 1), ("welch", 3, 3),
+                                                ("welch", 3, 5)])
+def test_compare_under_no_change_rejects_at_the_nominal_rate(test, n_old, n_new):
+    new, committed = _null_tables(np.random.default_rng(0), 1500, n_old, n_new)
+    result = compare(new, committed, ["churn"], test=test)
+    rate = (result["verdict"] == "OUTSIDE").mean()
+    tolerance = 4 * math.sqrt(0.05 * 0.95 / 1500)  # binomial, 4 standard errors
+    # Welch with 3 + 3 seeds is a little conservative (its df are estimated); the prediction interval is exact.
+    assert 0.05 - tolerance - (0.015 if test == "welch" else 0) < rate < 0.05 + tolerance, rate
+    outside, tested, p = outside_count(result, 0.05)
+    assert tested == 1500 and p > 0.001
+
+
+def test_the_old_inside_the_ci_check_was_not_calibrated_and_a_shift_is_found():
+    new, committed = _null_tables(np.random.default_rng(1), 1500, 3, 3)
+    joined = new.join(committed.add_suffix("_old"))
+    outside_ci = ~joined["churn_mean"].between(joined["churn_ci_low_old"], joined["churn_ci_high_old"])
+    assert 0.07 < outside_ci.mean() < 0.12  # about 9% with nothing changed: "3 of 36 outside" is the null
+    shifted, committed = _null_tables(np.random.default_rng(2), 500, 3, 3, shift_sd=3.0)
+    power = (compare(shifted, committed, ["churn"])["verdict"] == "OUTSIDE").mean()
+    assert power > 0.4  # a 3-sd shift of the seed law is found often at 3 + 3 seeds
 
 
 # --- the churn scaling fit ---------------------------------------------------------------------------------
