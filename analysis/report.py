@@ -14,6 +14,9 @@ included; their status is in the tables and diverged runs are marked where they 
     <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
     <out>/tables/learning.csv              per group: held-out reward before/after RL, gain with CI, collapses
     <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
+    <out>/tables/per_run_final.csv         per run: the values every table above summarises (analysis.per_run)
+    <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
+    <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
 
     moe-rl report runs/ --out results/churn
     moe-rl report sweeps/objectives --out results/objectives --group-by objective.name routing_mode --last-k 10
@@ -33,10 +36,12 @@ import tyro
 
 from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci
 from analysis.cells import churn_vs_lr_depth, run_summary
+from analysis.comparisons import paired_comparisons
 from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.learning import learning_table
-from analysis.report_text import learning_markdown, scaling_markdown, skipped_markdown
+from analysis.per_run import per_run_eval, per_run_final
+from analysis.report_text import learning_markdown, paired_markdown, scaling_markdown, skipped_markdown
 from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
@@ -66,9 +71,14 @@ class ReportConfig:
     across the runs, except seeds and bookkeeping (out_dir, device, log.*, ...)."""
     last_k: int = 5
     """Final scores average each run's last k rollout steps."""
+    equivalence_margin: float = 0.05
+    """Margin of the TOST equivalence test in tables/paired_comparisons.csv, in the metrics' units (held-out and
+    training reward, both in [0, 1]): two methods are called equivalent only when their paired difference lies
+    within +-margin at level 0.05. State it before the runs; written into the command line above the report."""
 
     def __post_init__(self) -> None:
         check_positive("last_k", self.last_k)
+        check_positive("equivalence_margin", self.equivalence_margin)
 
 
 def command_line(cfg: ReportConfig) -> str:
@@ -76,7 +86,7 @@ def command_line(cfg: ReportConfig) -> str:
     parts = ["moe-rl", "report", cfg.runs, "--out", cfg.out]
     if cfg.group_by:
         parts += ["--group-by", *cfg.group_by]
-    parts += ["--last-k", str(cfg.last_k)]
+    parts += ["--last-k", str(cfg.last_k), "--equivalence-margin", f"{cfg.equivalence_margin:g}"]
     return shlex.join(parts)
 
 
@@ -87,9 +97,11 @@ def report(cfg: ReportConfig) -> Path:
     data = add_groups(data, group_keys(data, cfg.group_by))
     out = Path(cfg.out)
     data.runs = relative_paths(data.runs, out)
-    tables = write_tables(data, out / "tables", cfg.last_k)
+    tables = write_tables(data, out / "tables", cfg.last_k, cfg.equivalence_margin)
     figures, skipped = write_figures(data, out / "figures")
-    text = summary_markdown(data, cfg, tables["final_scores"], figures, learning_markdown(tables["learning"]))
+    paired = paired_markdown(tables.get("paired_comparisons"), cfg.equivalence_margin)
+    text = summary_markdown(data, cfg, tables["final_scores"], figures,
+                            learning_markdown(tables["learning"]) + (paired + "\n" if paired else ""))
     text += scaling_markdown(tables) + skipped_markdown(skipped)
     (out / "README.md").write_text(text, encoding="utf-8")
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
@@ -122,8 +134,10 @@ def relative_json(value, base: Path):
     return value
 
 
-def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFrame]:
+def write_tables(data: RunSet, folder: Path, last_k: int, margin: float = 0.05) -> dict[str, pd.DataFrame]:
     cells = churn_vs_lr_depth(data, last_k)
+    summary = run_summary(data, last_k)
+    per_run = per_run_final(data, FINAL_METRICS, last_k, summary)
     tables = {
         "runs": data.runs[["run", "group", *[c for c in data.runs.columns if c not in ("run", "group")]]],
         "final_scores": final_scores(data, FINAL_METRICS, last_k),
@@ -132,18 +146,23 @@ def write_tables(data: RunSet, folder: Path, last_k: int) -> dict[str, pd.DataFr
         "learning": learning_table(data, last_k),
         "curves": pd.concat([mean_ci(data.steps, m, x="step").assign(metric=m) for m in CURVE_METRICS
                              if m in data.steps.columns] or [pd.DataFrame()], ignore_index=True),
+        "per_run_final": per_run,
+        "per_run_eval": per_run_eval(data),
     }
-    tables.update(scaling_tables(data, cells, last_k))
+    paired = paired_comparisons(per_run, data.group_by, margin=margin)
+    if (paired["n_pairs"] >= 2).any():  # more than one method, and seeds to pair
+        tables["paired_comparisons"] = paired
+    tables.update(scaling_tables(data, cells, summary))
     folder.mkdir(parents=True, exist_ok=True)
     for name, table in tables.items():
         table.to_csv(folder / f"{name}.csv", index=False)
     return tables
 
 
-def scaling_tables(data: RunSet, cells: pd.DataFrame, last_k: int) -> dict[str, pd.DataFrame]:
-    """The churn scaling fit (analysis.scaling), for sweeps of the learning rate that log both readings."""
-    per_run = run_summary(data, last_k)
-    per_run = per_run[per_run["run"].map(data.runs.set_index("run")["status"]) != "diverged"].copy()
+def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The churn scaling fit (analysis.scaling), for sweeps of the learning rate that log both readings;
+    `summary` is run_summary(data, last_k)."""
+    per_run = summary[summary["run"].map(data.runs.set_index("run")["status"]) != "diverged"].copy()
     if per_run["optim.lr"].nunique() < 2 or per_run[["churn", "set_change", "kl_median"]].isna().all().any():
         return {}
     per_run["learns"] = per_run["group"].map(cells.set_index("group")["learns"]).fillna(False).astype(bool)
@@ -238,8 +257,9 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run, then mean and 95% CI over "
         "seeds. How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
         "layer_churn, churn_vs_lr_depth (one row per cell: both churn readings, median KL, held-out reward before "
-        "and after RL, with CIs over seeds), curves, and for learning-rate sweeps scaling_fit, "
-        "scaling_extrapolation and near_10pct.",
+        "and after RL, with CIs over seeds), curves, per_run_final and per_run_eval (the per-run values every "
+        "other table summarises, and each run's held-out evaluations), for sweeps of several methods with seeds "
+        "paired_comparisons, and for learning-rate sweeps scaling_fit, scaling_extrapolation and near_10pct.",
         "",
         "## Runs",
         "",

@@ -130,3 +130,31 @@ def learning_markdown(table: pd.DataFrame) -> str:
                      f"{with_ci(row['gain'], row['gain_ci_low'], row['gain_ci_high'])} | "
                      f"{'yes' if row['learns'] else 'no'} | {row['n_collapsed']} | {row['n_diverged']} |")
     return "\n".join(lines) + "\n\n"
+
+
+PAIRED_LABELS = {"eval_gain": "held-out gain", "eval_final": "held-out after RL", "reward_final": "training reward"}
+
+
+def _p(value: float) -> str:
+    return "" if not math.isfinite(value) else ("<0.001" if value < 0.001 else f"{value:.3f}")
+
+
+def paired_markdown(table: pd.DataFrame | None, margin: float) -> str:
+    """The paired method comparisons (analysis.comparisons): one line per (metric, setting, pair of methods)."""
+    if table is None or table.empty:
+        return ""
+    header = ["metric", "setting", "a - b", "pairs", "difference [95% CI]", "p", "p (Holm)", f"p TOST (+-{margin:g})",
+              "MDD", "reading"]
+    lines = ["## Paired comparisons of methods", "",
+             "Runs of two methods with the same seed share their warm start and step-0 evaluation: each row is the "
+             "mean over seeds of a - b with its 95% CI (paired t), the paired p-value, Holm's adjustment across the "
+             f"rows of the metric, the TOST p-value of |difference| >= {margin:g} (small: equivalent within "
+             "+-margin), and the minimum detectable difference (MDD: the true difference found with 80% power at "
+             "level 0.05, at the observed spread). `reading`: a direction only where the Holm-adjusted p < 0.05, "
+             "\"no difference\" only where TOST p < 0.05. `tables/paired_comparisons.csv` has every column.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in table.itertuples():
+        lines.append(f"| {PAIRED_LABELS.get(r.metric, r.metric)} | {r.setting} | {r.a} - {r.b} | {r.n_pairs} | "
+                     f"{with_ci(r.diff, r.ci_low, r.ci_high)} | {_p(r.p)} | {_p(r.p_holm)} | {_p(r.p_tost)} | "
+                     f"{'' if not math.isfinite(r.mdd) else f'{r.mdd:.3g}'} | {r.reading} |")
+    return "\n".join(lines) + "\n"

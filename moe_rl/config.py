@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from moe_rl.correction import CorrectionConfig
 from moe_rl.distributed import PARALLEL_MODES
 from moe_rl.errors import ConfigError, check_choice, check_finite_fields, check_positive
 from moe_rl.model import ModelConfig
@@ -156,6 +157,7 @@ class TrainConfig:
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     def __post_init__(self) -> None:
         check_numbers(self)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)

@@ -99,6 +99,7 @@ def check_inputs(cfg: TrainConfig) -> None:
 def on_main(make):
     """`make()` on rank 0 (None on the others). Every rank learns how that went, so an error stops every rank with
     rank 0's error instead of leaving the others waiting for it."""
+    cfg.correction.validate()
     result, error = None, None
     if distributed.is_main():
         try:

@@ -32,6 +32,7 @@ import torch
 from moe_rl import distributed
 from moe_rl.advantages import group_advantages, reward_stats, zero_std_groups
 from moe_rl.build import build_model, build_model_tokenizer, make_optimizer
+from moe_rl.correction import Correction, corrected_loss_inputs, mismatch_metrics, rollout_correction
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.masked import masked_mean, masked_sum
@@ -82,6 +83,7 @@ class OldPass:
     router_entropy_LBS: torch.Tensor | None
     ref_logp_BN: torch.Tensor | None  # the reference policy's log-probs, with a KL penalty
     first_update: PolicyOutput | None = None  # update 0's forward, when the old pass ran it (Trainer.old_pass)
+    correction: Correction | None = None  # sampler vs theta_old weights and rejection mask (moe_rl.correction)
 
 
 class Trainer:
@@ -212,14 +214,15 @@ class Trainer:
         chunks = [c for c in torch.arange(batch.size, device=order.device).tensor_split(n_chunks) if len(c)]
         return batch, chunks
 
-    def loss_shares(self, batch: RolloutBatch, chunks, n_updates: int) -> list[LossShare | None]:
-        """This rank's LossShare of each update's global minibatch (U updates); None each in a single process."""
+    def loss_shares(self, batch: RolloutBatch, chunks, n_updates: int, keep_BN=None) -> list[LossShare | None]:
+        """This rank's LossShare of each update's global minibatch (U updates); None each in a single process.
+        `keep_BN`: the tokens the rollout correction keeps (the loss averages over those)."""
         ranks = distributed.world_size()
         if ranks == 1:
             return [None] * n_updates
         counts_U3 = torch.zeros(n_updates, 3, dtype=torch.float64)  # a rank without rows for update j counts 0
         for j, chunk in enumerate(chunks):
-            mask_BN = batch.response_mask_BN[chunk]
+            mask_BN = batch.response_mask_BN[chunk] if keep_BN is None else keep_BN[chunk]
             counts_U3[j, 0] = loss_denominator_count(self.spec.loss_denominator, mask_BN)
             counts_U3[j, 1] = mask_BN.sum().item()
             counts_U3[j, 2] = batch.input_valid_BS[chunk].sum().item()
@@ -284,9 +287,11 @@ class Trainer:
         return torch.cat([policy_forward(self.ref_model, batch.rows(c), temp).logp_BN for c in chunks])
 
     def update(self, mb: RolloutBatch, old_logp_BN, replay: RoutingTrace | None, ref_logp_BN, prober: Prober,
-               minibatch: int, share: LossShare | None = None, forward: PolicyOutput | None = None) -> dict:
+               minibatch: int, share: LossShare | None = None, forward: PolicyOutput | None = None,
+               correction: Correction | None = None) -> dict:
         """Forward (unless `forward` is its output, run by the old pass), backward and gradient clipping on minibatch
-        `mb` (this rank's rows of it); returns its metrics. The caller takes the optimizer step."""
+        `mb` (this rank's rows of it); returns its metrics. The caller takes the optimizer step. `correction` (the
+        minibatch's rows of it) weights and masks the objective's tokens."""
         self.model.train()
         record_native = replay is not None and prober.cfg.due("replay", self.updates)
         out = forward
@@ -294,7 +299,7 @@ class Trainer:
             out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
                                  record_native=record_native)
         mask_BN = mb.response_mask_BN
-        total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share)
+        total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share, correction)
         metrics.update({"loss/total": total.item(), "grad_norm": self._backward(total),
                         "lr": self.scheduler.get_last_lr()[0],
                         "aux_loss": out.aux_loss.item() if out.aux_loss is not None else 0.0})
@@ -305,9 +310,15 @@ class Trainer:
                                          self.updates, minibatch))
         return metrics
 
-    def _loss(self, out, mb: RolloutBatch, old_logp_BN, ref_logp_BN, share: LossShare | None):
-        """objective + router aux loss (+ kl_coef * k3 KL to the reference); under DDP each term weighted by `share`."""
-        loss, metrics = self.spec(out.logp_BN, old_logp_BN, mb.advantages_B, mb.response_mask_BN, self.objective_cfg)
+    def _loss(self, out, mb: RolloutBatch, old_logp_BN, ref_logp_BN, share: LossShare | None,
+              correction: Correction | None = None):
+        """objective + router aux loss (+ kl_coef * k3 KL to the reference); under DDP each term weighted by `share`.
+        With a rollout correction the objective sees token advantages A_i * w_it and the kept tokens only
+        (moe_rl.correction.corrected_loss_inputs)."""
+        advantages, mask_BN = mb.advantages_B, mb.response_mask_BN
+        if correction is not None:
+            advantages, mask_BN = corrected_loss_inputs(advantages, mask_BN, correction)
+        loss, metrics = self.spec(out.logp_BN, old_logp_BN, advantages, mask_BN, self.objective_cfg)
         aux_loss = out.aux_loss if out.aux_loss is not None else 0.0
         kl_coef = self.cfg.kl_coef
         if share is not None:
@@ -352,8 +363,11 @@ class Trainer:
             ref = old.ref_logp_BN[chunk] if old.ref_logp_BN is not None else None
             forward = old.first_update if j == 0 else None
             old.first_update = None  # its graph is not held past update 0
+            correction = old.correction
+            if correction is not None:
+                correction = Correction(correction.weights_BT[chunk], correction.keep_BT[chunk], {})
             metrics.update(self.update(batch.rows(chunk), old.logp_BN[chunk], replay, ref, prober, j, share,
-                                       forward))
+                                       forward, correction))
         # Every rank agrees, so a NaN in one rank's loss stops every rank (their gradients are all-reduced already).
         finite = distributed.all_true(math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["grad_norm"]))
         if finite:  # a non-finite step is never taken; rl_step logs it and stops the run
@@ -382,17 +396,17 @@ class Trainer:
             write({"step": self.step, "minibatch": -1, "update": self.updates, "update/skipped": 1, **rollout_metrics})
             return
         batch, chunks = self.minibatch_chunks(batch, n_updates)
-        shares = self.loss_shares(batch, chunks, n_updates)
         old, prober = None, None
         if chunks:  # always, except on a data-parallel rank whose groups DAPO all dropped: it takes part idle
             old = self.old_pass(batch, chunks)
-            rollout_metrics.update(sampler_mismatch(batch, old.logp_BN))
+            rollout_metrics.update(self._correct(batch, old))
             t2 = time.perf_counter()
             prober = self.prober_factory(cfg.probes, batch, chunks, cfg.rollout.sampling.temperature, cfg.seed,
                                          self.step)
             rollout_metrics.update(prober.start(self.model, self.updates, old.native, old.router_entropy_LBS,
                                                 self.model.moe_layers()[0].n_experts))
             rollout_metrics.update({"time/old_pass": t2 - t1, "time/rollout_probes": time.perf_counter() - t2})
+        shares = self.loss_shares(batch, chunks, n_updates, old.correction.keep_BT if old and old.correction else None)
         rollout_metrics["time/rollout"] = t1 - t0
         if self._eval_due() and self.evaluates_here:
             rollout_metrics.update(self.evaluate())
@@ -415,6 +429,14 @@ class Trainer:
                 write_table(self.out_dir, "routing", self.step, tables)
             if chunks:
                 self._write_samples(batch)
+
+    def _correct(self, batch: RolloutBatch, old: OldPass) -> dict:
+        """Mismatch metrics of the sampler vs theta_old, and the rollout correction the updates apply (kept in
+        `old.correction` when it changes the loss; its metrics are logged either way)."""
+        log_ratio_BN = old.logp_BN - batch.sampler_logp_BN
+        correction = rollout_correction(log_ratio_BN, batch.response_mask_BN, self.cfg.correction)
+        old.correction = correction if self.cfg.correction.active else None
+        return {**mismatch_metrics(log_ratio_BN, batch.response_mask_BN), **correction.metrics}
 
     @property
     def sharded(self) -> bool:
@@ -475,10 +497,3 @@ def length_stats(batch: RolloutBatch, max_new_tokens: int) -> dict:
     return {"completions/mean_length": lengths_B.mean().item(),
             "completions/clipped_ratio": (lengths_B >= max_new_tokens).float().mean().item()}
 
-
-def sampler_mismatch(batch: RolloutBatch, old_logp_BN: torch.Tensor) -> dict:
-    """Sampler vs trainer log-probs of the same tokens under the same parameters (0 up to rounding on CPU)."""
-    delta = (old_logp_BN - batch.sampler_logp_BN).double()
-    mask = batch.response_mask_BN
-    return {"rollout/log_ratio_abs_mean": masked_mean(delta.abs(), mask).item(),
-            "rollout/kl": masked_mean(delta.exp() - 1 - delta, mask).item()}

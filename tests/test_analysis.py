@@ -221,8 +221,10 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
     assert len(runs) == 6 + 3 + 1 and (runs["status"] == "diverged").sum() == 1
     finals = pd.read_csv(folder / "tables" / "final_scores.csv")
     assert {"reward", "routing/update/churn"} <= set(finals["metric"])
-    for table in ("layer_churn", "churn_vs_lr_depth", "curves"):
+    for table in ("layer_churn", "churn_vs_lr_depth", "curves", "per_run_final", "per_run_eval", "paired_comparisons"):
         assert len(pd.read_csv(folder / "tables" / f"{table}.csv")), table
+    per_run = pd.read_csv(folder / "tables" / "per_run_final.csv")
+    assert sorted(per_run["run"]) == sorted(runs["run"]) and {"eval_gain", "eval/reward", "churn"} <= set(per_run)
     assert not any(str(v).startswith("/") for column in runs for v in runs[column])  # no machine's paths
     assert (folder / runs.loc[runs["run"] == "diverged", "path"].item()).resolve() == runs_root / "diverged"
     cells = pd.read_csv(folder / "tables" / "churn_vs_lr_depth.csv")
