@@ -9,8 +9,8 @@ regime of experiments/long_regime.py: running sums with worked solutions (about 
 with 64 experts and top-8 routing, and a sampler running as an emulated bf16 inference engine while the trainer
 stays fp32 (`sampling.precision bf16`), so R3 and R2 replay different routings. The mismatch is always on, not an
 axis: without it R3 equals R2 on CPU and the fifth method would be a duplicate. `precision=trainer` turns it off.
-Each run logs training and held-out reward (`eval/reward` on 256 held-out prompts every 10 steps), clip fractions,
-F(2), per-update KL, update churn and the rollout probe's sampler-vs-trainer `set_change`.
+Each run logs training and held-out reward (`eval/reward` on 256 held-out prompts every 5 rollout steps and after
+training), clip fractions, F(2), per-update KL, update churn and the rollout probe's sampler-vs-trainer `set_change`.
 `all_objectives=true` adds cispo and gmpo with native routing.
 
     moe-rl sweep objective_comparison --workers 2                          # CPU: 5 methods x 5 seeds = 25 runs
