@@ -3,6 +3,7 @@ share their warm start, prompts and step-0 evaluation, so their difference is me
 two noisy group means.
 
     paired_comparisons(per_run, group_by, margin=0.05)
+    critical_points(per_run, "optim.lr", group_by)      # per method: where the held-out change turns negative
 
 For each setting of the non-method group keys (learning rate, depth, ...; one block when there are none), each
 pair of methods (`method_keys`: objective, routing mode, rollout correction) and each metric (held-out gain,
@@ -22,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import group_label
-from analysis.stats import ALPHA, POWER, holm, mdd_paired, paired_differences, paired_t, tost_p
+from analysis.stats import ALPHA, POWER, critical_point, holm, mdd_paired, paired_differences, paired_t, tost_p
 
 METHOD_KEYS = ("objective.name", "routing_mode")
 METRICS = ("eval_gain", "eval_final", "reward_final")
@@ -36,6 +37,11 @@ def method_keys(group_by: Sequence[str]) -> list[str]:
     return [k for k in group_by if k in METHOD_KEYS or "correction" in k.split(".")]
 
 
+def _labels(frame: pd.DataFrame, keys: Sequence[str]) -> list[str]:
+    """Each row's label over `keys` ("grpo R2", "lr=0.001"); "" for every row when there are no keys."""
+    return [group_label(row, keys) if keys else "" for _, row in frame.iterrows()]
+
+
 def paired_comparisons(per_run: pd.DataFrame, group_by: Sequence[str], metrics: Sequence[str] = METRICS,
                        margin: float = 0.05, alpha: float = ALPHA, power: float = POWER) -> pd.DataFrame:
     """The paired table (COLUMNS) of `per_run` (one row per run: seed, the group keys, the metric columns;
@@ -46,8 +52,7 @@ def paired_comparisons(per_run: pd.DataFrame, group_by: Sequence[str], metrics: 
     settings = [k for k in group_by if k not in methods]
     if not methods:
         return pd.DataFrame(columns=COLUMNS)
-    frame = per_run.assign(_method=[group_label(row, methods) for _, row in per_run.iterrows()],
-                           _setting=[group_label(row, settings) if settings else "" for _, row in per_run.iterrows()])
+    frame = per_run.assign(_method=_labels(per_run, methods), _setting=_labels(per_run, settings))
     frame = frame.sort_values([*settings, *methods], key=lambda column: column.astype(str), kind="stable")
     rows = [_row(metric, setting, a, b, block, margin, alpha, power)
             for metric in metrics if metric in frame
@@ -85,3 +90,23 @@ def reading(row, alpha: float = ALPHA) -> str:
         direction = "a > b" if row.diff > 0 else "a < b"
         return f"{direction}, within margin" if equivalent else direction
     return "no difference" if equivalent else "inconclusive"
+
+
+CRITICAL_COLUMNS = ["method", "setting", "axis", "n_seeds", "critical", "ci_low", "ci_high"]
+
+
+def critical_points(per_run: pd.DataFrame, axis: str, group_by: Sequence[str], value: str = "eval_gain",
+                    log_axis: bool = True) -> pd.DataFrame:
+    """Per method (and setting of the group keys other than the method keys and `axis`): the `axis` value
+    (learning rate, minibatches per rollout batch) where the mean over seeds of `value` turns negative, with
+    its 95% CI over seeds (analysis.stats.critical_point, t inversion). Columns: CRITICAL_COLUMNS; -inf / inf
+    where the crossing lies below / above the grid."""
+    methods = method_keys(group_by)
+    settings = [k for k in group_by if k not in methods and k != axis]
+    frame = per_run.assign(_method=_labels(per_run, methods), _setting=_labels(per_run, settings))
+    rows = []
+    for (method, setting), runs in frame.groupby(["_method", "_setting"], sort=True):
+        point = critical_point(runs, axis, value, log_axis=log_axis)
+        rows.append({"method": method, "setting": setting, "axis": axis, "n_seeds": point.n_seeds,
+                     "critical": point.value, "ci_low": point.ci_low, "ci_high": point.ci_high})
+    return pd.DataFrame(rows, columns=CRITICAL_COLUMNS)

@@ -55,8 +55,6 @@ class Difference:
     n_b: int
 
 
-NAN_DIFFERENCE = Difference(*(math.nan,) * 6, 0, 0)
-
 
 def _finite(values) -> np.ndarray:
     x = np.asarray(values, dtype=float)

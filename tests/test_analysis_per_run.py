@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from analysis.aggregate import add_groups, group_keys, t_ci
-from analysis.comparisons import method_keys, paired_comparisons
+from analysis.comparisons import critical_points, method_keys, paired_comparisons
 from analysis.load import load_runs
 from analysis.plots import FIGURES
 from analysis.report import ReportConfig, report
@@ -187,3 +187,20 @@ def test_mdd_column_is_the_noncentral_t_inverse(reported):
         power = stats.nct.sf(tc, r.n_pairs - 1, nc) + stats.nct.cdf(-tc, r.n_pairs - 1, nc)
         assert power == pytest.approx(0.8, abs=1e-6)
     assert not list(itertools.filterfalse(math.isfinite, paired["mdd"]))
+
+
+def test_critical_points_per_method_on_a_known_law():
+    # held-out change = slope x log10(x0 / lr) per method, plus a seed offset: GRPO turns negative at 3e-4,
+    # GRPO+R2 at 1e-3; a third method never turns negative on the grid.
+    crossing = {("grpo", "native"): 3e-4, ("grpo", "R2"): 1e-3, ("gspo", "native"): math.inf}
+    rows = [{"seed": s, "objective.name": o, "routing_mode": m, "optim.lr": lr,
+             "eval_gain": (0.1 if math.isinf(x0) else 0.2 * math.log10(x0 / lr)) + 0.01 * (s - 1)}
+            for (o, m), x0 in crossing.items() for s in range(3) for lr in (1e-4, 1e-3, 1e-2)]
+    table = critical_points(pd.DataFrame(rows), "optim.lr", ["objective.name", "routing_mode", "optim.lr"])
+    table = table.set_index("method")
+    assert table.loc["grpo native", "critical"] == pytest.approx(3e-4, rel=1e-9)
+    assert table.loc["grpo R2", "critical"] == pytest.approx(1e-3, rel=1e-9)
+    assert table.loc["gspo native", "critical"] == math.inf and table.loc["gspo native", "ci_high"] == math.inf
+    for method in ("grpo native", "grpo R2"):
+        row = table.loc[method]
+        assert row["ci_low"] <= row["critical"] <= row["ci_high"] and row["n_seeds"] == 3
