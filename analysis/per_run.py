@@ -1,7 +1,8 @@
 """Per-run tables: the numbers every committed CI, collapse count and bootstrap is computed from, small enough to
 commit (a few kB per study, where the run directories are hundreds of MB).
 
-    per_run_final(data, metrics, last_k)   one row per run: run, group, seed, status, the group keys, the cell
+    per_run_final(data, metrics, last_k)   one row per run: run, group, seed, status, the group keys, the
+                                           warm start (init_from, where the config has one), the cell
                                            quantities of analysis.cells.run_summary (churn, set_change, ...,
                                            eval_gain) and each metric's final value (analysis.aggregate.run_finals)
     per_run_eval(data)                     one row per (run, evaluation): run, group, seed, step, eval/* metrics
@@ -24,13 +25,15 @@ RUN_FIELDS = ["run", "group", "seed", "status"]
 
 
 def _run_fields(data: RunSet) -> pd.DataFrame:
-    keys = [k for k in dict.fromkeys([*data.group_by, *SCALING_KEYS]) if k in data.runs and k not in RUN_FIELDS]
+    # init_from names the warm start: the cluster of a bootstrap over warm starts (analysis.stats).
+    keys = [k for k in dict.fromkeys([*data.group_by, *SCALING_KEYS, "init_from"]) if k in data.runs
+            and k not in RUN_FIELDS]
     return data.runs[[*RUN_FIELDS, *keys]]
 
 
 def per_run_final(data: RunSet, metrics: Sequence[str], last_k: int = 5,
                   summary: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per run (in data.runs order): RUN_FIELDS, the group keys and scaling keys, QUANTITIES (the run's
+    """One row per run (in data.runs order): RUN_FIELDS, the group keys, scaling keys and init_from, QUANTITIES (the run's
     values behind churn_vs_lr_depth.csv), then one column per metric of `metrics` that was logged, named as in
     final_scores.csv (`reward`, `eval/reward`, `routing/update/churn`, ...): the run's final value. `summary`:
     run_summary(data, last_k), when the caller has it already."""

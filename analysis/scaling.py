@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import summarize
+from analysis.stats import cluster_resamples
 from moe_rl.errors import ConfigError
 
 FITTED_READINGS = ("churn", "set_change")
@@ -112,17 +113,22 @@ def fit_power_law(per_run: pd.DataFrame, reading: str = "churn", driver: str = "
 
 
 def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_boot: int = N_BOOT,
-                   seed: int = BOOT_SEED) -> list[PowerLaw]:
+                   seed: int = BOOT_SEED, cluster: str | None = None) -> list[PowerLaw]:
     """The law refit on `n_boot` resamples (with replacement) of the runs that enter the fit, with the full
-    fit's predictors; resamples in which they are no longer of full rank are skipped."""
+    fit's predictors; resamples in which they are no longer of full rank are skipped. `cluster` (a column such
+    as `init_from`, the warm start): resample clusters, then runs within them (analysis.stats.cluster_resamples),
+    so that runs sharing a warm start do not count as independent."""
     full = fit_power_law(per_run, reading, driver)
     frame = _usable(per_run, reading, DRIVERS[driver])
     X = np.column_stack([np.ones(len(frame)), *[np.log(frame[p].to_numpy(dtype=float)) for p in full.predictors]])
     y = np.log(frame[reading].to_numpy(dtype=float))
-    rng = np.random.default_rng(seed)
+    if cluster is None:
+        rng = np.random.default_rng(seed)
+        resamples = (rng.integers(0, len(frame), len(frame)) for _ in range(n_boot))
+    else:
+        resamples = cluster_resamples(frame[cluster].to_numpy(), n_boot, seed)
     laws = []
-    for _ in range(n_boot):
-        rows = rng.integers(0, len(frame), len(frame))
+    for rows in resamples:
         beta, _, rank, _ = np.linalg.lstsq(X[rows], y[rows], rcond=None)
         if rank == X.shape[1]:
             laws.append(PowerLaw(reading, full.predictors, float(beta[0]), [float(b) for b in beta[1:]],

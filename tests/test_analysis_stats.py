@@ -252,6 +252,35 @@ def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
         assert r.predicted_ci_low < r.measured < r.predicted_ci_high
 
 
+def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
+    # Two warm starts per depth, each shifting log churn of all its runs by N(0, 0.3): the depth exponent rests on
+    # 6 warm starts, not 54 runs. Resampling runs as independent gives a far narrower interval than resampling
+    # warm starts (then runs within them).
+    rng = np.random.default_rng(0)
+    rows = []
+    for layers in (2, 4, 8):
+        for warm_start in range(2):
+            offset = rng.normal(0, 0.3)
+            for kl in (1e-4, 1e-3, 1e-2):
+                for _ in range(3):
+                    churn = math.exp(math.log(0.02) + 0.6 * math.log(kl) + 0.5 * math.log(layers) + offset
+                                     + rng.normal(0, 0.05))
+                    rows.append({"run": f"r{len(rows)}", "kl_median": kl, "optim.lr": kl, "model.n_layers": layers,
+                                 "model.n_experts": 64, "model.top_k": 8, "churn": churn,
+                                 "init_from": f"L{layers}-w{warm_start}"})
+    runs = pd.DataFrame(rows)
+    law = fit_power_law(runs)
+    depth = law.predictors.index("model.n_layers")
+
+    def width(boots):
+        low, high = np.percentile([b.coef[depth] for b in boots], [2.5, 97.5])
+        return high - low
+
+    by_runs = width(bootstrap_laws(runs, "churn", n_boot=200))
+    by_warm_start = width(bootstrap_laws(runs, "churn", n_boot=200, cluster="init_from"))
+    assert by_warm_start > 2 * by_runs  # 0.49 against 0.16 here
+
+
 def test_scaling_fit_drops_what_the_runs_do_not_vary_and_refuses_a_fixed_driver():
     runs = _synthetic_runs(noise=0.0)
     law = fit_power_law(runs[runs["model.n_experts"] == 64])  # K still varies (4, 8); E does not
