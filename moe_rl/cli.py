@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from moe_rl.errors import USER_ERRORS, ConfigError
 
-# Exit statuses: 0 done, 1 a sweep with a failed run, 2 a user error (one line on stderr), 3 the run diverged.
+# Exit statuses: 0 done, 1 a sweep with a failed run, 2 a user error (one line on stderr), 3 the run diverged,
+# 130 / 143 stopped by SIGINT / SIGTERM (status interrupted; the last line says how to resume).
 EXIT_USER_ERROR, EXIT_DIVERGED = 2, 3
 CONFIG_FILE_HELP = """
 config file (train, sft):
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    _never_fail_to_print()
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"moe-rl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
@@ -106,18 +108,44 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return EXIT_DIVERGED if takes_file and _status(result) == "diverged" else 0
+    except KeyboardInterrupt as err:  # SIGINT or SIGTERM before a run was open (train and sft note theirs)
+        print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before the run started; nothing was written",
+              file=sys.stderr)
+        return _signal_exit_status(str(err) or "SIGINT")
+    return _exit_status(result) if takes_file else 0
 
 
-def _status(run_dir) -> str | None:
-    """The status in a run directory's manifest.json (None when there is none to read, e.g. on a rank > 0)."""
+def _exit_status(run_dir) -> int:
+    """From the status in a run directory's manifest.json: 3 diverged, 128 + the signal interrupted (130 SIGINT,
+    143 SIGTERM), else 0 (also when there is no manifest to read, e.g. on a rank > 0)."""
     import json
     from pathlib import Path
 
     try:
-        return json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))["status"]
+        manifest = json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))
+        status = manifest["status"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return 0
+    if status == "interrupted":
+        return _signal_exit_status((manifest.get("interrupted") or {}).get("signal") or "SIGINT")
+    return EXIT_DIVERGED if status == "diverged" else 0
+
+
+def _signal_exit_status(name: str) -> int:
+    from moe_rl.runs.interrupt import exit_status
+
+    try:
+        return exit_status(name)
+    except KeyError:
+        return exit_status("SIGINT")
+
+
+def _never_fail_to_print() -> None:
+    """A path with characters the terminal's encoding lacks (LC_ALL=C, PYTHONIOENCODING=ascii) is printed escaped
+    rather than ending a finished run with UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _config_file(config_class, args: list[str]):

@@ -136,6 +136,10 @@ class TrainConfig:
     resume: bool = False
     """Continue the run in out_dir from its latest checkpoint. A run that saved no checkpoint starts over, with or
     without --resume (unless it finished or diverged)."""
+    resume_from: str | None = None
+    """Continue the run from one of its own kept checkpoints (out_dir/checkpoints/step_XXXXXX.pt) instead of
+    latest.pt, e.g. after latest.pt was deleted; out_dir defaults to the run holding it. Refused while a newer
+    checkpoint is in the directory."""
     checkpoint_every: int = 25
     """Save checkpoints/latest.pt every n rollout steps (and at the end)."""
     keep_every: int | None = None

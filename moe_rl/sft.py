@@ -25,9 +25,11 @@ from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import sampled_reward
 from moe_rl.runs.checkpoint import save_checkpoint
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
+from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
+from moe_rl.tasks.digest import task_digest
 
 
 def sft_batch(problems, task, tokenizer, device):
@@ -83,40 +85,60 @@ def sft(cfg: SFTConfig) -> Path:
     device = resolve_device(cfg.device)
     cfg = replace(cfg, out_dir=cfg.out_dir or fresh_run_name(stem="sft"))
     claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None)
+    with StopOnSignal() as stop:
+        return _sft_in_claim(cfg, claim, device, stop)
+
+
+def _sft_in_claim(cfg: SFTConfig, claim, device, stop: StopOnSignal) -> Path:
+    """Check the inputs, build, open the run, train and save, in a claimed directory (released at the end)."""
     try:
         check_trackers_installed(cfg.trackers, flag="--trackers")
         tokenizer = build_model_tokenizer(cfg.model)
         task = build_task(cfg.task, tokenizer)
         check_task_fits(cfg.model, tokenizer, task, cfg.sampling.max_new_tokens)
         model = build_model(cfg.model, device, cfg.seed, None)
-        run = open_claimed(claim, cfg, seed=cfg.seed, device=device)
+        run = open_claimed(claim, cfg, seed=cfg.seed, device=device, inputs=task_digest(cfg.task, task))
         progress = Progress(cfg.steps, quiet=cfg.quiet)
         trackers = make_trackers(cfg.trackers, run.path, config=run.config, wandb=asdict(cfg.wandb),
                                  run_id=run.manifest.get("tracker_id"))
         with run, run.open_metrics(trackers=trackers) as metrics:
-            done = _sft_loop(cfg, model, task, tokenizer, device, metrics, run, progress)
+            done = _sft_loop(cfg, model, task, tokenizer, device, metrics, run, progress, stop)
             if run.status == "running":
                 save_checkpoint(run.path, cfg.steps, {"model": model.state_dict(), "model_config": asdict(cfg.model)})
-        progress.end(run.status, str(run.path), done, run.manifest.get("reason"))
+                run.record_checkpoint(cfg.steps)
+        ending = f"sft has no resume: the same command starts it over ({run.path})" \
+            if run.status == "interrupted" else run.manifest.get("reason")
+        progress.end(run.status, str(run.path), done, ending)
     finally:
         claim.release()
     return run.path
 
 
-def _sft_loop(cfg: SFTConfig, model, task, tokenizer, device, metrics, run, progress: Progress) -> int:
-    """The SFT steps; returns how many were taken. A non-finite loss marks the run diverged and stops it."""
+def _sft_loop(cfg: SFTConfig, model, task, tokenizer, device, metrics, run, progress: Progress,
+              stop: StopOnSignal) -> int:
+    """The SFT steps; returns how many were taken. A non-finite loss marks the run diverged and stops it; SIGINT or
+    SIGTERM marks it interrupted after the step in flight (a second signal: at once)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
-    for step in range(cfg.steps):
-        problems = task.problems("train", step * cfg.batch_size, cfg.batch_size)
-        line = sft_step(model, optimizer, scheduler, sft_batch(problems, task, tokenizer, device), cfg.grad_clip)
-        if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
+    step = 0
+    try:
+        for step in range(cfg.steps):
+            if stop.requested:
+                run.mark_interrupted(stop.signal_name, step, resumes_from=None)
+                return step
+            problems = task.problems("train", step * cfg.batch_size, cfg.batch_size)
+            line = sft_step(model, optimizer, scheduler, sft_batch(problems, task, tokenizer, device), cfg.grad_clip)
+            if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
+                metrics.write(line, step=step)
+                run.mark_diverged(f"non-finite loss ({line['loss']}) or gradient norm ({line['grad_norm']}) at step "
+                                  f"{step}")
+                return step
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.eval_prompts, cfg.seed)
             metrics.write(line, step=step)
-            run.mark_diverged(f"non-finite loss ({line['loss']}) or gradient norm ({line['grad_norm']}) at step {step}")
-            return step
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.eval_prompts, cfg.seed)
-        metrics.write(line, step=step)
-        if (step + 1) % cfg.print_every == 0 or step + 1 == cfg.steps:
-            progress.step(step + 1, {"loss": line["loss"], "eval": line.get("eval/reward")})
+            if (step + 1) % cfg.print_every == 0 or step + 1 == cfg.steps:
+                progress.step(step + 1, {"loss": line["loss"], "eval": line.get("eval/reward")})
+    except Interrupted as err:  # a second signal: the step in flight is abandoned
+        run.mark_interrupted(str(err), step, resumes_from=None)
+        return step
     return cfg.steps

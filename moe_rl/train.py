@@ -35,20 +35,22 @@ from moe_rl.build import build_model_tokenizer, check_task_fits, resolve_device
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
+from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress, rl_step_fields, say
 from moe_rl.runs.runlog import RunDir
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
+from moe_rl.tasks.digest import task_digest
 from moe_rl.trainer import Diverged, Trainer
 
 
 def train(cfg: TrainConfig) -> Path:
     """Run (or resume) RL training, in one process or as one rank of a torchrun job; returns the run directory."""
     torch.set_num_threads(cfg.threads)
-    with distributed.process_group(resolve_device(cfg.device)) as device:
+    with distributed.process_group(resolve_device(cfg.device)) as device, StopOnSignal() as stop:
         cfg.check_data_parallel(distributed.world_size())
         cfg = replace(cfg, out_dir=run_dir_name(cfg))
-        _train_on_this_rank(cfg, device)
+        _train_on_this_rank(cfg, device, stop)
         # The trainer (and its DDP wrapper, which holds the process group) is gone before the group is destroyed;
         # tearing the group down under a live DDP reducer could abort the process at exit.
         gc.collect()
@@ -59,42 +61,49 @@ def run_dir_name(cfg: TrainConfig) -> str:
     """cfg.out_dir, or (none given) a fresh runs/<time>-<objective>-<routing mode>, the same on every rank."""
     if cfg.out_dir is not None:
         return cfg.out_dir
+    if cfg.resume_from is not None:
+        return str(Path(cfg.resume_from).parent.parent)  # <run>/checkpoints/step_XXXXXX.pt
     if cfg.resume:
         raise ConfigError("--resume needs --out-dir: the directory of the run to continue")
     return distributed.broadcast_object(fresh_run_name(stem=f"{cfg.objective.name}-{cfg.routing_mode}"))
 
 
-def _train_on_this_rank(cfg: TrainConfig, device: torch.device) -> None:
+def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSignal) -> None:
     """Claim the directory (rank 0), check the inputs, build, restore, then open the run: a set-up that fails leaves
     the directory as it was."""
-    claim = on_main(lambda: claim_run_dir(cfg.out_dir, resume=cfg.resume, total_steps=cfg.total_steps))
-    action = distributed.broadcast_object(claim.action if claim else None)
+    claim = on_main(lambda: claim_run_dir(cfg.out_dir, resume=cfg.resume, total_steps=cfg.total_steps,
+                                          resume_from=cfg.resume_from))
+    action, checkpoint = distributed.broadcast_object((claim.action, claim.checkpoint) if claim else None)
     try:
         if action == "done":
             say(f"nothing to do: {cfg.out_dir} already finished at step {cfg.total_steps}")
             return
-        check_inputs(cfg)
+        inputs = check_inputs(cfg)
+        on_main(lambda: claim.check_same_inputs(inputs))
         trainer = Trainer(cfg, device, init_weights=action != "resume")
         if action == "resume":
-            trainer.restore()
-        run = on_main(lambda: open_claimed(claim, cfg, seed=cfg.seed, device=device))
+            trainer.restore(checkpoint)
+        run = on_main(lambda: open_claimed(claim, cfg, seed=cfg.seed, device=device, inputs=inputs))
         progress = Progress(cfg.total_steps, start=trainer.step, quiet=cfg.quiet or run is None)
         with run if run is not None else nullcontext():
             with open_metrics(run, trainer, resumed=action == "resume") as metrics:
-                _loop(trainer, metrics.write, run, progress)
+                _loop(trainer, metrics.write, run, progress, stop)
         if run is not None:
-            progress.end(run.status, str(run.path), trainer.step, run.manifest.get("reason"))
+            progress.end(run.status, str(run.path), trainer.step, _ending(run))
     finally:
         if claim is not None:
             claim.release()
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """What would fail later with a traceback: a tracker not installed, a vocabulary or context the task overflows."""
+def check_inputs(cfg: TrainConfig) -> dict:
+    """What would fail later with a traceback: a tracker not installed, a vocabulary or context the task overflows.
+    Returns the content hash of the task data, which a resume compares with the run's (manifest `inputs`)."""
     check_trackers_installed(cfg.log.trackers)
     cfg.correction.validate()
     tokenizer = build_model_tokenizer(cfg.model)
-    check_task_fits(cfg.model, tokenizer, build_task(cfg.task, tokenizer), cfg.rollout.sampling.max_new_tokens)
+    task = build_task(cfg.task, tokenizer)
+    check_task_fits(cfg.model, tokenizer, task, cfg.rollout.sampling.max_new_tokens)
+    return task_digest(cfg.task, task)
 
 
 def on_main(make):
@@ -136,23 +145,46 @@ def open_metrics(run: RunDir | None, trainer: Trainer, resumed: bool):
     return run.open_metrics(resume_from_step=resume_from, trackers=trackers, tracker_step_key="update")
 
 
-def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress) -> None:
+def _ending(run: RunDir) -> str | None:
+    """What the last line adds to the status: the reason, or for an interrupted run how to continue it."""
+    if run.status != "interrupted":
+        return run.manifest.get("reason")
+    if (run.manifest.get("interrupted") or {}).get("resumes_from_step") is None:
+        return f"no checkpoint yet: the same command starts it over ({run.path})"
+    return f"resume with: moe-rl train --config-file {run.path / 'config.json'} --resume"
+
+
+def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop: StopOnSignal) -> None:
     """Rollout steps until total_steps; eval lines and checkpoints on their cadence; a progress line per step.
-    `run` is None on ranks other than 0."""
+    A first SIGINT or SIGTERM ends the run after the step in flight, with a checkpoint; a second one abandons the
+    step (moe_rl.runs.interrupt). `run` is None on ranks other than 0."""
     cfg = trainer.cfg
-    while trainer.step < cfg.total_steps:
-        lines: list[dict] = []
-        try:
-            trainer.rl_step(lambda line: (lines.append(line), write(line)))
-        except Diverged as err:  # raised on every rank together
-            if run is not None:
-                run.mark_diverged(str(err))
-            return
-        trainer.step += 1
-        if trainer.step == cfg.total_steps and cfg.log.eval_every and trainer.evaluates_here:
-            # The policy after the last update; step = total_steps marks "after training".
-            lines.append({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
-            write(lines[-1])
-        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.total_steps:
-            trainer.save()
-        progress.step(trainer.step, rl_step_fields(lines))
+    saved = trainer.step if trainer.step > 0 else None  # the step of the checkpoint on disk
+    try:
+        while trainer.step < cfg.total_steps:
+            lines: list[dict] = []
+            try:
+                trainer.rl_step(lambda line: (lines.append(line), write(line)))
+            except Diverged as err:  # raised on every rank together
+                if run is not None:
+                    run.mark_diverged(str(err))
+                return
+            trainer.step += 1
+            if trainer.step == cfg.total_steps and cfg.log.eval_every and trainer.evaluates_here:
+                # The policy after the last update; step = total_steps marks "after training".
+                lines.append({"step": trainer.step, "minibatch": -1, "update": trainer.updates, **trainer.evaluate()})
+                write(lines[-1])
+            signal_name = distributed.broadcast_object(stop.signal_name)  # rank 0's, so every rank stops together
+            if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.total_steps or signal_name:
+                trainer.save()
+                saved = trainer.step
+                if run is not None:
+                    run.record_checkpoint(trainer.step)
+            progress.step(trainer.step, rl_step_fields(lines))
+            if signal_name and trainer.step < cfg.total_steps:
+                if run is not None:
+                    run.mark_interrupted(signal_name, trainer.step, resumes_from=saved)
+                return
+    except Interrupted as err:  # a second signal: the step in flight is abandoned, the last checkpoint stands
+        if run is not None:
+            run.mark_interrupted(str(err), trainer.step, resumes_from=saved)

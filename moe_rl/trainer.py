@@ -45,6 +45,7 @@ from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rol
 from moe_rl.routing import RoutingTrace
 from moe_rl.runs.checkpoint import (
     TRAINING_STATE_KEYS,
+    load_checkpoint,
     load_latest,
     restore_training_state,
     save_checkpoint,
@@ -140,9 +141,13 @@ class Trainer:
             state["ref_model"] = self.ref_model.state_dict()
         save_checkpoint(self.out_dir, self.step, state, keep_every=self.cfg.keep_every)
 
-    def restore(self) -> None:
-        """Every rank loads the latest checkpoint: the same weights and optimizer state, its own generators."""
-        state = load_latest(self.out_dir, map_location=self.device, require=(*TRAINING_STATE_KEYS, "updates"))
+    def restore(self, checkpoint: Path | None = None) -> None:
+        """Every rank loads the latest checkpoint (or `checkpoint`, one of the run's own): the same weights and
+        optimizer state, its own generators."""
+        require = (*TRAINING_STATE_KEYS, "updates")
+        state = load_latest(self.out_dir, map_location=self.device, require=require) if checkpoint is None else \
+            load_checkpoint(checkpoint, map_location=self.device, what="the checkpoint to resume from",
+                            require=require)
         saved, ranks = state.get("world_size", 1), distributed.world_size()
         if saved != ranks:
             raise ConfigError(

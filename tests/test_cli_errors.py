@@ -167,8 +167,10 @@ def bad_inputs(work: Path, warm: Path, finished: Path) -> dict[str, tuple[list, 
                                         files / "missing_weight.pt"], "missing_weight.pt: the checkpoint lacks"),
         "resume a corrupt checkpoint": ([*TRAIN, "--out-dir", corrupt, "--total-steps", "3", "--log.eval-every",
                                          "1", "--resume"], "corrupt_resume/checkpoints/latest.pt is not a torch"),
+        # the manifest's record of the checkpoint (its sha256) tells it is not the run's own before it is loaded
         "resume a checkpoint without model": ([*TRAIN, "--out-dir", no_model, "--total-steps", "3",
-                                               "--log.eval-every", "1", "--resume"], "has no 'model'"),
+                                               "--log.eval-every", "1", "--resume"],
+                                              "is not the checkpoint this run saved at step 2"),
         "resume below the checkpoint": ([*TRAIN, "--out-dir", work / "below", "--total-steps", "1",
                                          "--log.eval-every", "1", "--resume"], "--total-steps 1 is below"),
         "start where a run is": ([*TRAIN, "--out-dir", work / "again", "--total-steps", "2", "--log.eval-every", "1"],
@@ -313,13 +315,14 @@ def test_a_sweep_names_a_bad_init_from_and_plans_around_a_corrupt_checkpoint(wor
 
     # one run with a corrupt checkpoint: the plan (and --dry-run) still works, and only that run fails on it
     bad = sweep / "runs" / "obj=grpo,mode=native"
-    assert bad.is_dir(), sorted(p.name for p in (sweep / "runs").iterdir())
-    (bad / "checkpoints").mkdir(exist_ok=True)
+    assert not bad.exists()  # the refused --init-from left no directory holding only .lock
+    (bad / "checkpoints").mkdir(parents=True)
     (bad / "checkpoints" / "latest.pt").write_bytes(b"garbage")
     (bad / "manifest.json").write_text(json.dumps({"status": "failed", "reason": "killed"}))
     dry = moe_rl(*args, "--dry-run", cwd=work)
     assert dry.returncode == 0, dry.stderr
-    assert "runs (4): 1 resume, 3 restart" in dry.stdout and "latest.pt is not a torch checkpoint" in dry.stdout
+    tally = next(line for line in dry.stdout.splitlines() if "runs (4):" in line)
+    assert "1 resume" in tally and "3 start" in tally and "latest.pt is not a torch checkpoint" in dry.stdout
     job = subprocess.run([sys.executable, "-m", "moe_rl.sweep.jobs", sweep, "run", bad.name], cwd=work, env=ENV,
                          capture_output=True, text=True, timeout=300)
     assert job.returncode == 1 and "Traceback" not in job.stderr and "is not a torch checkpoint" in job.stderr

@@ -61,20 +61,30 @@ def save_checkpoint(
     full_state = {**state, "step": step, "format": FORMAT_VERSION, "saved_at": utc_now()}
     latest = atomic_write(folder / LATEST, lambda file: torch.save(full_state, file))
     if keep_every is not None and step % keep_every == 0:
-        _keep_copy(latest, folder / checkpoint_name(step))
+        link_copy(latest, folder / checkpoint_name(step))
     return latest
 
 
-def _keep_copy(latest: Path, target: Path) -> None:
-    """Hard-link latest.pt as step_XXXXXX.pt, costing no disk. This is safe because the next save replaces
-    latest.pt by a new file (os.replace), so the linked file is never written to again."""
+def link_copy(source: Path, target: Path) -> None:
+    """Hard-link `source` as `target` (latest.pt as step_XXXXXX.pt, or back), costing no disk. This is safe because
+    a save replaces latest.pt by a new file (os.replace), so a linked file is never written to again."""
     temp = target.with_name(f".{target.name}.{os.getpid()}{TEMP_SUFFIX}")
     temp.unlink(missing_ok=True)
     try:
-        os.link(latest, temp)
+        os.link(source, temp)
     except OSError:  # file systems without hard links
-        shutil.copyfile(latest, temp)
+        shutil.copyfile(source, temp)
     os.replace(temp, target)
+
+
+def kept_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, file) of a run's kept checkpoints/step_XXXXXX.pt, in step order (read from the names)."""
+    found = []
+    for path in (Path(run_dir) / CHECKPOINTS).glob("step_*.pt"):
+        digits = path.stem.removeprefix("step_")
+        if digits.isdigit():
+            found.append((int(digits), path))
+    return sorted(found)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *, mmap: bool = False,

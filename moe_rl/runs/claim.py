@@ -9,8 +9,16 @@ what this invocation does there, without writing:
     a run with a checkpoint at step s  --resume: continue from s (s == total steps: nothing to do, nothing touched;
                                        s > total steps: refused). Without --resume: refused, naming --resume
 
+    kept step_XXXXXX.pt, no latest.pt  refused, with or without --resume: --resume-from names the one to continue
+    --resume-from step_XXXXXX.pt       continue from that checkpoint of the run (refused while a newer one is there)
+
+A resume is verified before anything is written (moe_rl.runs.digest): config.json and manifest.json must read as
+JSON objects, metrics.jsonl must hold every step before the checkpoint and, where the manifest recorded them, those
+lines, the checkpoint's bytes and the task data (`check_same_inputs`) must be what they were.
+
 So a run that failed before its first checkpoint never has to be deleted by hand, and a resume that cannot start
-(a bad checkpoint, a changed config) leaves the directory, its manifest included, as it was.
+(a bad checkpoint, a changed config or task, lost metrics) leaves the directory, its manifest included, as it was.
+A directory made by a claim whose set-up was refused is removed again (it held nothing but the lock).
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import ConfigError
-from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step
-from moe_rl.runs.lock import RunLock
-from moe_rl.runs.runlog import TABLE_KINDS, RunDir, RunExistsError
+from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step, kept_checkpoints, link_copy, load_checkpoint
+from moe_rl.runs.digest import check_resumable_dir, input_changes
+from moe_rl.runs.lock import LOCK_FILE, RunLock
+from moe_rl.runs.runlog import TABLE_KINDS, RunDir, RunExistsError, read_config, read_manifest
 
 RESULT_STATUSES = ("finished", "diverged")  # a run that ended this way is a result: never started over
 
@@ -41,10 +50,30 @@ class Claim:
     lock: RunLock | None
     step: int | None = None  # the checkpoint's step (resume, done)
     earlier: dict[str, Any] = field(default_factory=dict)  # the manifest of an attempt that is started over
+    checkpoint: Path | None = None  # the file a resume restores: checkpoints/latest.pt, or --resume-from's
+    manifest: dict[str, Any] = field(default_factory=dict)  # the run's manifest (resume)
+    created: bool = False  # the claim made the directory
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        """Release the lock; a directory this claim made and nothing was written to goes too."""
+        if self.lock is None:
+            return
+        self.lock.release()
+        if self.created and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+            try:
+                self.path.rmdir()
+            except OSError:  # someone else wrote into it meanwhile: it is theirs now
+                pass
+
+    def check_same_inputs(self, inputs: dict[str, Any]) -> None:
+        """Refuse a resume whose input data (manifest `inputs`, e.g. the task file) changed since the run started."""
+        saved = self.manifest.get("inputs")
+        changed = input_changes(saved, inputs) if self.action == "resume" and isinstance(saved, dict) else []
+        if changed:
+            raise ConfigError(f"cannot resume {self.path}: {'; '.join(changed)}: the steps after {self.step} would "
+                              "train on other data. Restore it, or start a new run (another --out-dir) from the "
+                              f"checkpoint with --init-from {self.checkpoint}")
 
 
 def fresh_run_name(parent: str = "runs", stem: str = "run") -> str:
@@ -70,23 +99,37 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out-dir") -> None:
 
 
 def claim_run_dir(out_dir: str | os.PathLike, *, resume: bool, total_steps: int,
-                  resume_flag: str | None = "--resume") -> Claim:
+                  resume_flag: str | None = "--resume", resume_from: str | os.PathLike | None = None) -> Claim:
     """Check, lock and classify the run directory (see the module docstring); writes nothing but the lock file.
     `resume_flag` is None for a command without resume (sft), whose refusals then never suggest one."""
     path = Path(out_dir)
     check_out_dir(path)
-    if resume and not path.exists():
+    if (resume or resume_from) and not path.exists():
         raise FileNotFoundError(f"nothing to resume: {path} does not exist (check the run name)")
+    created = not path.exists()
     lock = RunLock.acquire(path)
+    claim = Claim(path, "start", lock, created=created)
     try:
-        return _classify(path, resume, total_steps, resume_flag, lock)
+        claim = _classify(path, resume, total_steps, resume_flag, lock, resume_from)
+        claim.created = created
+        if claim.action == "resume":
+            _verify_resume(claim)
+        return claim
     except BaseException:
-        lock.release()
+        claim.release()
         raise
 
 
-def _classify(path: Path, resume: bool, total_steps: int, resume_flag: str | None, lock: RunLock) -> Claim:
+def _classify(path: Path, resume: bool, total_steps: int, resume_flag: str | None, lock: RunLock,
+              resume_from: str | os.PathLike | None) -> Claim:
+    if resume_from is not None:
+        return _claim_resume_from(path, Path(resume_from), total_steps, lock)
     step = checkpoint_step(path)  # DataError, naming the file, for a checkpoint that cannot be read
+    kept = kept_checkpoints(path)
+    if step is None and kept:
+        names = ", ".join(p.name for _, p in kept)
+        raise ConfigError(f"{path / CHECKPOINTS / LATEST} is gone but {names} remain: nothing was changed. Continue "
+                          f"from the newest with --resume-from {kept[-1][1]}, or choose another --out-dir")
     manifest = _manifest(path)
     status = manifest.get("status")
     if step is None:
@@ -102,16 +145,52 @@ def _classify(path: Path, resume: bool, total_steps: int, resume_flag: str | Non
     if total_steps < step:
         raise ConfigError(f"--total-steps {total_steps} is below the step of {path}'s checkpoint ({step}); a resume "
                           "only continues a run: pass --total-steps >= its step")
-    return Claim(path, "done" if total_steps == step and status in RESULT_STATUSES else "resume", lock, step)
+    action = "done" if total_steps == step and status in RESULT_STATUSES else "resume"
+    return Claim(path, action, lock, step, checkpoint=path / CHECKPOINTS / LATEST)
+
+
+def _claim_resume_from(path: Path, checkpoint: Path, total_steps: int, lock: RunLock) -> Claim:
+    """--resume-from: one of the run's own checkpoints, with none newer beside it (a rollback must not lose one)."""
+    folder = path / CHECKPOINTS
+    if not checkpoint.is_file() or checkpoint.resolve().parent != folder.resolve():
+        where = "does not exist" if not checkpoint.is_file() else f"is not in {folder}"
+        raise ConfigError(f"--resume-from {checkpoint} {where}: it must be one of the run's own checkpoints "
+                          f"({folder}/step_XXXXXX.pt); to start a new run from another checkpoint use --init-from")
+    step = int(load_checkpoint(checkpoint, mmap=True, what="--resume-from", require=("step",))["step"])
+    newer = [p.name for s, p in kept_checkpoints(path) if s > step]
+    latest_step = checkpoint_step(path)
+    if latest_step is not None and latest_step > step:
+        newer.insert(0, f"{LATEST} (step {latest_step})")
+    if newer:
+        raise ConfigError(f"--resume-from {checkpoint} (step {step}): {folder} holds newer checkpoints "
+                          f"({', '.join(newer)}), which a resume from an older one would overwrite; to roll back, "
+                          "move them out of the directory first")
+    if total_steps < step:
+        raise ConfigError(f"--total-steps {total_steps} is below the step of --resume-from {checkpoint} ({step})")
+    return Claim(path, "resume", lock, step, checkpoint=checkpoint)
+
+
+def _verify_resume(claim: Claim) -> None:
+    """Read and check what a resume continues, before anything is written: config.json, manifest.json, metrics.jsonl
+    against the checkpoint (moe_rl.runs.digest). ConfigError or DataError naming the file."""
+    if not (claim.path / "config.json").exists():
+        raise FileNotFoundError(f"nothing to resume in {claim.path}: it has no config.json; start a new run instead")
+    read_config(claim.path)
+    claim.manifest = read_manifest(claim.path) if (claim.path / "manifest.json").exists() else {}
+    check_resumable_dir(claim.path, claim.step, claim.manifest, claim.checkpoint)
 
 
 def clear_attempt(claim: Claim) -> None:
-    """Remove what an attempt without a checkpoint left (it cannot be continued), so that the run starts over."""
+    """Remove what an attempt without a checkpoint left (it cannot be continued), so that the run starts over. A
+    kept checkpoint is never removed (`_classify` refuses to start over where one is)."""
     for name in ("metrics.jsonl", "config.json", "manifest.json"):
         (claim.path / name).unlink(missing_ok=True)
-    for folder in (*TABLE_KINDS, CHECKPOINTS):
-        if (claim.path / folder).is_dir() and not (claim.path / folder / LATEST).exists():
+    for folder in TABLE_KINDS:
+        if (claim.path / folder).is_dir():
             shutil.rmtree(claim.path / folder)
+    if (claim.path / CHECKPOINTS).is_dir() and not kept_checkpoints(claim.path) \
+            and not (claim.path / CHECKPOINTS / LATEST).exists():
+        shutil.rmtree(claim.path / CHECKPOINTS)
 
 
 def earlier_attempt(claim: Claim) -> dict[str, Any] | None:
@@ -122,17 +201,25 @@ def earlier_attempt(claim: Claim) -> dict[str, Any] | None:
 
 
 def _manifest(path: Path) -> dict[str, Any]:
+    """The manifest when it can be read, else {} (a resume reads it strictly: `_verify_resume`)."""
     try:
-        return json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
-def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any) -> RunDir:
+def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any,
+                 inputs: dict[str, Any] | None = None) -> RunDir:
     """The RunDir of a claimed directory: resumed from its checkpoint, or (re)started, keeping in the manifest what
-    an attempt that saved no checkpoint left, and a tracker id that stays the run's across resumes."""
+    an attempt that saved no checkpoint left, a tracker id that stays the run's across resumes, and the content
+    hashes of its `inputs` (moe_rl.tasks.digest)."""
     if claim.action == "resume":
         run = RunDir(claim.path, config, resume=True, seed=seed, device=device)
+        run.manifest["resumes"][-1]["from"] = {"checkpoint": claim.checkpoint.name, "step": claim.step}
+        latest = claim.path / CHECKPOINTS / LATEST
+        if not latest.exists():  # --resume-from after latest.pt was deleted: the directory is whole again
+            link_copy(claim.checkpoint, latest)
     else:
         earlier = earlier_attempt(claim)
         clear_attempt(claim)
@@ -140,5 +227,7 @@ def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any) ->
         if earlier is not None:
             run.manifest["earlier_attempts"] = [*claim.earlier.get("earlier_attempts", []), earlier]
     run.manifest.setdefault("tracker_id", claim.earlier.get("tracker_id") or uuid.uuid4().hex[:12])
+    if inputs is not None:
+        run.manifest["inputs"] = inputs
     run.mark_running()
     return run

@@ -150,6 +150,12 @@ def _parse_jsonl(text: str, source: Path) -> list[tuple[str, dict]]:
     return parsed
 
 
+def complete_lines(path: str | os.PathLike) -> list[tuple[str, dict[str, Any]]]:
+    """(line as written, record) for every complete JSON object of a JSON-lines file."""
+    path = Path(path)
+    return _parse_jsonl(path.read_text(encoding="utf-8"), path)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete JSON object of a JSON-lines file; an empty file gives []."""
     path = Path(path)

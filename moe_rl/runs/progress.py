@@ -6,6 +6,7 @@ on stderr).
     step 12/50  reward 0.438  eval 0.406  churn 0.091  kl 2.1e-04  1.83 s/step  ETA 1m10s
     finished: 50 steps in 1m32s -> runs/grpo
     diverged at step 7: non-finite loss (nan) or gradient norm (nan) at step 7, minibatch 2 -> runs/grpo
+    interrupted at step 3; resume with: moe-rl train --config-file runs/grpo/config.json --resume
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Progress:
         """The last line: how the run ended, and where it lives."""
         if status == "diverged":
             say(f"diverged at {self.unit} {step}: {reason} -> {run_dir}", err=True)
+        elif status == "interrupted":  # `reason` says how to continue
+            say(f"interrupted at {self.unit} {step}; {reason}", err=True)
         elif not self.quiet:
             ran = step - self.start
             say(f"{status}: {ran} {self.unit}s in {duration(time.perf_counter() - self.t0)} -> {run_dir}")

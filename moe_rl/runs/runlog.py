@@ -43,19 +43,21 @@ import torch
 
 from moe_rl.errors import ConfigError, DataError, check_choice
 from moe_rl.runs.atomic import atomic_write, atomic_write_text, remove_stale_temp_files
+from moe_rl.runs.checkpoint import LATEST, checkpoint_name
+from moe_rl.runs.digest import checkpoint_record
 from moe_rl.runs.jsonlog import MetricsWriter, read_jsonl
 from moe_rl.runs.provenance import environment, utc_now
 
 if TYPE_CHECKING:
     from moe_rl.runs.trackers import Tracker
 
-STATUSES = ("running", "finished", "diverged", "failed")
+STATUSES = ("running", "finished", "diverged", "failed", "interrupted")
 TABLE_KINDS = ("routing", "samples")
 # Config fields that may differ between a run and its resume. An entry with a dot names one field
 # ("train.total_steps"); an entry without a dot names a field at any depth. Everything else must match, or the
 # resumed run would silently be a different experiment than the one its first half belongs to.
 # out_dir: a run directory may be renamed or spelled ./name; quiet, print_every and the W&B place change no result.
-RESUMABLE_FIELDS = ("total_steps", "resume", "log_every", "checkpoint_every", "keep_every", "trackers", "out_dir",
+RESUMABLE_FIELDS = ("total_steps", "resume", "resume_from", "log_every", "checkpoint_every", "keep_every", "trackers", "out_dir",
                     "quiet", "print_every", "log.wandb.project", "log.wandb.entity", "log.wandb.group",
                     "wandb.project", "wandb.entity", "wandb.group")
 PATH_FIELDS = ("init_from", "out_dir", "path", "eval_path")  # compared as paths: ./x is x
@@ -151,10 +153,12 @@ def _find_seed(config: Mapping[str, Any]) -> Any:
 class RunDir:
     """One run's directory. Creating it starts the run (or, with resume=True, continues it) and marks it running.
 
-    manifest.json holds: name, status (running | finished | diverged | failed), reason, started_at, ended_at (UTC ISO),
+    manifest.json holds: name, status (running | finished | diverged | failed | interrupted), reason, started_at, ended_at (UTC ISO),
     seed, host, device, world_size (data-parallel ranks), command (sys.argv), git {sha, dirty}, packages
-    {name: version}, and resumes: one entry per resume with its time, host, device, world size, command, git and the
-    config changes it made ({key: [old, new]}).
+    {name: version}, interrupted {signal, at_step, resumes_from_step} while the status is interrupted, inputs {name:
+    {what, sha256}} (the task data), checkpoints {file name: {step, sha256, metrics {lines, last_step, sha256}}}, and
+    resumes: one entry per resume with its time, host, device, world size, command, git, the config changes it made
+    ({key: [old, new]}), how the run had ended before it (previous) and the checkpoint it continued from (from).
 
     Use it as a context manager to mark the run failed on an exception and finished on a normal exit. Only one
     process (rank 0) may hold a RunDir for a path.
@@ -202,12 +206,15 @@ class RunDir:
     def _continue_run(self, device: str | torch.device | None, may_change: Sequence[str]) -> dict[str, Any]:
         if not self.config_path.exists():
             raise FileNotFoundError(f"nothing to resume in {self.path}: it has no config.json; start a new run instead")
+        # Both files are read and checked before either is written: a resume that is refused changes nothing.
         changed = check_resumable(read_config(self.path), self.config, may_change, self.path)
+        manifest = read_manifest(self.path)
         remove_stale_temp_files(self.path)  # the process that left them is dead: we are resuming its run
         self._make_folders()
         atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")
-        manifest = read_manifest(self.path)
-        entry = {"at": utc_now(), **environment(device), "changed": {k: list(v) for k, v in changed.items()}}
+        previous = {key: manifest.get(key) for key in ("status", "reason", "ended_at", "interrupted") if key in manifest}
+        entry = {"at": utc_now(), **environment(device), "changed": {k: list(v) for k, v in changed.items()},
+                 "previous": previous}
         manifest.setdefault("resumes", []).append(entry)
         return manifest
 
@@ -231,6 +238,7 @@ class RunDir:
     def mark_running(self) -> None:
         """Mark the run as in progress (done on creation and on resume)."""
         self.manifest.update(status="running", reason=None, ended_at=None)
+        self.manifest.pop("interrupted", None)  # kept in the resume's entry (`previous`)
         self._write_manifest()
 
     def mark_finished(self, reason: str | None = None) -> None:
@@ -243,12 +251,31 @@ class RunDir:
     def mark_failed(self, reason: str) -> None:
         self._end("failed", reason)
 
+    def mark_interrupted(self, signal_name: str, step: int, resumes_from: int | None) -> None:
+        """SIGINT or SIGTERM (moe_rl.runs.interrupt) ended the run after `step` steps; a resume continues from the
+        checkpoint at `resumes_from` (None: there is none, the run starts over)."""
+        if self.status == "running":
+            self.manifest["interrupted"] = {"signal": signal_name, "at_step": step, "resumes_from_step": resumes_from}
+        self._end("interrupted", f"{signal_name} at step {step}")
+
     def _end(self, status: str, reason: str | None) -> None:
         check_choice("status", status, STATUSES)
         # The first ending is the true one: a run that diverged and then left its loop normally stays diverged.
         if self.status != "running":
             return
         self.manifest.update(status=status, reason=reason, ended_at=utc_now())
+        self._write_manifest()
+
+    def record_checkpoint(self, step: int) -> None:
+        """Keep in the manifest the hash of the checkpoint just saved at `step` and of the metrics before it
+        (moe_rl.runs.digest), under latest.pt and, when kept, its step_XXXXXX.pt (a hard link: hashed once)."""
+        latest = self.checkpoints_dir / LATEST
+        record = checkpoint_record(self.path, latest, step)
+        records = {LATEST: record}
+        kept = self.checkpoints_dir / checkpoint_name(step)
+        if kept.is_file():
+            records[kept.name] = record if kept.samefile(latest) else checkpoint_record(self.path, kept, step)
+        self.manifest.setdefault("checkpoints", {}).update(records)
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -260,6 +287,8 @@ class RunDir:
     def __exit__(self, exc_type, exc, traceback) -> bool:
         if exc is None:
             self.mark_finished()
+        elif isinstance(exc, KeyboardInterrupt):  # a signal outside the training loop, which notes its own
+            self._end("interrupted", f"{exc or 'SIGINT'} during set-up or teardown")
         else:
             self.mark_failed(f"{exc_type.__name__}: {exc}")
         return False
@@ -286,11 +315,26 @@ def read_metrics(run_or_file: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    return read_json_object(Path(run_dir) / "config.json", "the run's config")
 
 
 def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))
+    return read_json_object(Path(run_dir) / "manifest.json", "the run's manifest")
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from `path`; DataError naming the file (and line) when it is cut short, not JSON or not an object
+    (FileNotFoundError when it is missing)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text ({err.reason}); it should hold {what}") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg}): cut short or edited? It should hold {what}; "
+                        "restore it from a copy") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path} holds a JSON {type(data).__name__}, not {what} (an object); restore it from a copy")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -323,8 +367,16 @@ def _table_files(run_dir: str | os.PathLike, kind: str) -> list[tuple[int, Path]
 
 def read_tables(run_dir: str | os.PathLike, kind: str) -> pd.DataFrame:
     """All of a run's tables of one kind, concatenated in step order; an empty frame when there are none."""
-    frames = [pd.read_parquet(path) for _, path in _table_files(run_dir, kind)]
+    frames = [_read_table(path) for _, path in _table_files(run_dir, kind)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as err:  # pyarrow's ArrowInvalid and OSError for a cut-short or foreign file
+        raise DataError(f"{path} cannot be read as Parquet ({type(err).__name__}): cut short or not a table written "
+                        "by moe-rl; delete it, or restore it from a copy") from None
 
 
 def prune_tables(run_dir: str | os.PathLike, after_step: int) -> list[Path]:

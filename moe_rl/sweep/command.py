@@ -28,6 +28,7 @@ import hashlib
 import inspect
 import json
 import os
+import signal
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -180,10 +181,10 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
     if cfg.executor == "local":
         try:
             index = run_local(plan, cfg.workers, cfg.retry_diverged)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:  # the workers were told too, and stopped at a checkpoint
             print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
                   file=sys.stderr)
-            raise SystemExit(130) from None
+            raise SystemExit(128 + getattr(err, "signum", signal.SIGINT)) from None
     else:
         try:
             from moe_rl.sweep.slurm import make_executor, submit, wait_for

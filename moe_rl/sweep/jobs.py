@@ -11,13 +11,16 @@ resume one that stopped with a checkpoint, start the others (over). The SLURM jo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -29,6 +32,7 @@ import pandas as pd
 
 from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import USER_ERRORS, ConfigError
+from moe_rl.runs.interrupt import SIGNALS, Interrupted
 from moe_rl.runs.lock import holder
 from moe_rl.runs.progress import duration
 from moe_rl.runs.provenance import utc_now
@@ -143,8 +147,57 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
         runs = {run.name: run for run in plan.runs}
         jobs = [Job("warmstart", key, None, job_cost(plan.warmstarts[key])) for key in keys]
         jobs += [Job("run", name, runs[name].warmstart, job_cost(runs[name].config)) for name in names]
-        _pool(plan.sweep_dir, jobs, workers, max(1, cpu_count() // workers), echo)
-        return write_index(plan.sweep_dir)
+        pool = Workers()
+        with pool.forwarding_signals():
+            _pool(plan.sweep_dir, jobs, workers, max(1, cpu_count() // workers), echo, pool)
+        index = write_index(plan.sweep_dir)
+    if pool.signum is not None:  # every worker has stopped at a checkpoint; a re-run resumes them
+        raise Interrupted(pool.signum)
+    return index
+
+
+class Workers:
+    """The local pool's worker processes. Each runs in a session of its own, so a Ctrl-C in the terminal reaches
+    the driver alone, which passes SIGINT or SIGTERM on to every worker (and starts no new one): each finishes its
+    step, saves a checkpoint and ends `interrupted` (moe_rl.runs.interrupt); a second signal stops them at once. A
+    worker outlives a driver killed outright (SIGKILL), as before."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def run(self, command: list[str], **popen) -> int | None:
+        """Run `command` to its end; its exit status, or None when a signal came first and it was not started."""
+        with self._lock:
+            if self.signum is not None:
+                return None
+            process = subprocess.Popen(command, start_new_session=True, **popen)
+            self._running.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.discard(process)
+
+    def forward(self, signum: int, frame=None) -> None:
+        self.signum = signum
+        with self._lock:
+            for process in self._running:
+                process.send_signal(signum)
+
+    @contextlib.contextmanager
+    def forwarding_signals(self):
+        """Pass SIGINT and SIGTERM on to the workers while in the block (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self.forward) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +228,7 @@ def _next_job(waiting: list[Job], unfinished_warmstarts: set[str]) -> Job | None
     return min(ready, key=lambda j: (j.kind != "warmstart", -j.cost), default=None)
 
 
-def _pool(sweep_dir: Path, jobs: list[Job], workers: int, threads: int, echo) -> None:
+def _pool(sweep_dir: Path, jobs: list[Job], workers: int, threads: int, echo, processes: Workers) -> None:
     if not jobs:
         return
     width, t0 = len(str(len(jobs))), time.perf_counter()
@@ -183,11 +236,15 @@ def _pool(sweep_dir: Path, jobs: list[Job], workers: int, threads: int, echo) ->
     unfinished_warmstarts = {j.name for j in jobs if j.kind == "warmstart"}
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        while waiting or running:
-            while len(running) < workers and (job := _next_job(waiting, unfinished_warmstarts)) is not None:
+        while (waiting and processes.signum is None) or running:
+            while processes.signum is None and len(running) < workers and \
+                    (job := _next_job(waiting, unfinished_warmstarts)) is not None:
                 waiting.remove(job)
-                running[pool.submit(_subprocess_job, sweep_dir, job.kind, job.name, threads)] = job
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                running[pool.submit(_subprocess_job, sweep_dir, job.kind, job.name, threads, processes)] = job
+            if not running:
+                break
+            # A timeout, so that the main thread returns to Python (and runs a signal handler) now and then.
+            finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in finished:
                 job = running.pop(future)
                 seconds, done = future.result(), done + 1
@@ -200,13 +257,14 @@ def _pool(sweep_dir: Path, jobs: list[Job], workers: int, threads: int, echo) ->
                 echo(f"[{done:>{width}}/{len(jobs)}] {status:<8} {label}  ({seconds:.1f} s, ETA {duration(eta)})"
                      + (f"  {reason}" if reason and status != "finished" else ""))
     except BaseException:
-        # Ctrl-C reached the workers too (same process group); start nothing more, wait for them to stop.
+        # The driver failed: start nothing more, tell the workers to stop at their next step, wait for them.
+        processes.forward(signal.SIGTERM)
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
 
 
-def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> float:
+def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int, processes: Workers) -> float:
     """Run one job in a fresh interpreter (a crash cannot take the sweep down); returns its wall time."""
     log_path = record_path(sweep_dir, kind, name, ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +277,9 @@ def _subprocess_job(sweep_dir: Path, kind: str, name: str, threads: int) -> floa
     with open(log_path, "a") as log:
         log.write(f"=== {utc_now()} {shlex.join(command)}\n")
         log.flush()
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        returncode = processes.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if returncode is None:  # the sweep was interrupted before this job started
+        return 0.0
     if returncode != 0 and read_record(sweep_dir, kind, name).get("state") != "ended":
         # killed before it could note why (a signal, out of memory): the exit status and the log's last line
         how = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"

@@ -191,5 +191,11 @@ def from_dict(cls: type, data: Mapping[str, Any]) -> Any:
         if key not in names:
             raise unknown_field_error(key, cls)
         hint = hints[key]
-        kwargs[key] = from_dict(hint, value) if _is_dataclass_type(hint) else coerce(value, hint, key)
+        if not _is_dataclass_type(hint):
+            kwargs[key] = coerce(value, hint, key)
+            continue
+        if not isinstance(value, Mapping):  # `rollout: 5`, `rollout: null`, `optim: [1, 2]`
+            raise ConfigError(f"{key!r} is a group of fields ({hint.__name__}): it needs a mapping such as "
+                              f"{{{field_paths(hint)[0].split('.')[0]}: ...}}, not {type(value).__name__} {value!r}")
+        kwargs[key] = from_dict(hint, value)
     return cls(**kwargs)

@@ -28,7 +28,7 @@ from moe_rl.runs.atomic import atomic_write_text
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step
 from moe_rl.runs.lock import holder
 from moe_rl.runs.provenance import utc_now
-from moe_rl.runs.runlog import config_differences, read_manifest
+from moe_rl.runs.runlog import config_differences, read_json_object, read_manifest
 from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
 
 SWEEP_JSON, INDEX_CSV = "sweep.json", "index.csv"
@@ -43,7 +43,11 @@ def read_sweep(sweep_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(sweep_dir) / SWEEP_JSON
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: {sweep_dir} is not a sweep directory")
-    return json.loads(path.read_text(encoding="utf-8"))
+    data = read_json_object(path, "the sweep's plan")
+    if "hash" not in data:
+        raise DataError(f"{path} has no 'hash': it is not a sweep.json written by moe-rl sweep; restore it, or use "
+                        "another --sweep-dir")
+    return data
 
 
 def check_same_grid(plan: SweepPlan) -> bool:
@@ -98,7 +102,7 @@ def store_plan(plan: SweepPlan) -> None:
 def manifest_or_none(run_dir: Path) -> dict | None:
     try:
         return read_manifest(run_dir)
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, DataError):
         return None
 
 

@@ -119,8 +119,12 @@ class FileReader:
 
     @staticmethod
     def _kind(path: Path) -> str:
-        if not path.is_file():
+        if not path.exists():
             raise DataError(f"{path}: file not found")
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file (a FIFO, a device or a socket)"
+            raise DataError(f"{path} is {what}; task.path and task.eval_path must name a .jsonl, .json or .parquet "
+                            "file")
         if path.suffix.lower() not in SUFFIXES:
             raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
         return SUFFIXES[path.suffix.lower()]
@@ -128,10 +132,16 @@ class FileReader:
     def _load(self, kind: str, path: Path) -> Any:
         import datasets  # lazy: about 1 s to import, and only file tasks need it
 
+        # Its progress bars would be the only lines on stderr of a run refused later (one line is the contract).
+        shown = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
         try:
             return datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=self.cache_dir)
         except Exception as err:  # Arrow's own messages; we have already ruled out what we can name by line
             raise DataError(f"{path}: datasets could not read it: {err}") from err
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
 
     def _check_columns(self, path: Path, present: list[str]) -> None:
         for column in (self.prompt_column, self.answer_column):
