@@ -6,6 +6,7 @@ Shared by `moe-rl train`, `moe-rl sft` and the probes, so that each builds its m
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,9 +59,7 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: st
     """The native MoETransformer, or with backend 'hf' an HFMoEModel (same interface: moe_rl.model.hf)."""
     torch.manual_seed(seed)
     if cfg.backend == "hf":
-        from moe_rl.model.hf import build_hf_model
-
-        model = build_hf_model(cfg)
+        model = _hf_model(cfg)
     else:
         model = MoETransformer(cfg)
     if init_from is not None:
@@ -68,17 +67,47 @@ def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: st
     return model.to(device)
 
 
+def _hf_model(cfg: ModelConfig):
+    """build_hf_model, with transformers' and safetensors' errors about a checkpoint directory as one line."""
+    from moe_rl.model.hf import build_hf_model
+
+    try:
+        return build_hf_model(cfg)
+    except (ConfigError, DataError):
+        raise
+    except Exception as err:  # OSError (no weights), SafetensorError (cut short), ValueError (foreign files)
+        if cfg.hf_path is None:
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise DataError(f"hf_path={cfg.hf_path}: the weights cannot be loaded ({type(err).__name__}: {first}); "
+                        "expected a directory written by save_pretrained (config.json and model.safetensors)") \
+            from None
+
+
+def _hf_vocab_size(path: str) -> int:
+    """The vocab_size of a checkpoint directory's config.json; ConfigError naming it when it is not readable."""
+    from moe_rl.model.hf import checkpoint_model_type
+
+    try:
+        checkpoint_model_type(path)  # a one-line error for a missing directory, family or transformers
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:  # transformers: not valid JSON, unknown keys, ...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConfigError(f"hf_path={path}: {Path(path) / 'config.json'} cannot be read ({first})") from None
+
+
 def build_model_tokenizer(cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of the task prompts: with hf_path, the checkpoint directory's own if it has one; otherwise
     the character tokenizer. Its ids must fit the model's vocabulary."""
     if cfg.backend == "native" or cfg.hf_config is not None:
         return build_tokenizer()
-    from moe_rl.model.hf import checkpoint_model_type
+    vocab = _hf_vocab_size(cfg.hf_path)
+    from transformers import AutoTokenizer
 
-    checkpoint_model_type(cfg.hf_path)  # a one-line error for a missing directory, family or transformers
-    from transformers import AutoConfig, AutoTokenizer
-
-    vocab = AutoConfig.from_pretrained(cfg.hf_path, local_files_only=True).vocab_size
     if _has_tokenizer(cfg.hf_path):
         try:
             tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(cfg.hf_path, local_files_only=True))
@@ -132,3 +161,31 @@ def check_task_fits(cfg: ModelConfig, tokenizer, task, max_new_tokens: int, prob
                     f"model.max_seq_len={cfg.max_seq_len} is too short: a {split} prompt of the task takes "
                     f"{need - max_new_tokens} tokens, plus max_new_tokens={max_new_tokens} for the response = "
                     f"{need}; raise --model.max-seq-len or shorten the prompts")
+
+
+def check_sampler_memory(cfg: ModelConfig, rows: int, max_new_tokens: int, device: torch.device,
+                         prompt_tokens: int = 64) -> None:
+    """Refuse, before anything is written, a rollout whose KV cache alone exceeds the device's memory: keys and values
+    of every layer for `rows` sequences of (prompt + max_new_tokens) positions, in fp32. Without this check a huge
+    max_new_tokens ends in the allocator's traceback after the run directory was opened."""
+    if cfg.backend != "native":
+        return
+    positions = prompt_tokens + max_new_tokens
+    need = 2 * cfg.n_layers * rows * cfg.n_kv_heads * cfg.head_dim * positions * 4
+    have = _device_memory(device)
+    if have is not None and need > have:
+        raise ConfigError(
+            f"rollout.sampling.max_new_tokens={max_new_tokens}: the sampler's KV cache needs about {need / 2**30:.1f} GiB "
+            f"(2 x {cfg.n_layers} layers x {rows} rows x {cfg.n_kv_heads} kv heads x {cfg.head_dim} dims x "
+            f"{positions} positions x 4 bytes) but the {device.type} has {have / 2**30:.1f} GiB; lower "
+            "--rollout.sampling.max-new-tokens or the rows per step (prompts_per_step x group_size, eval_prompts)")
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of the device in bytes (physical memory for the CPU), or None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

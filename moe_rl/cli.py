@@ -5,6 +5,7 @@ every field).
     moe-rl train --help        RL on the native MoE model
     moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config (JSON or YAML), flags override
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
+    moe-rl evaluate --help     a checkpoint at its best sampling temperature (chosen on validation) and greedy
     moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
@@ -53,6 +54,12 @@ def _probe():
     return ProbeCommandConfig, probe
 
 
+def _evaluate():
+    from moe_rl.evaluate import EvaluateConfig, evaluate
+
+    return EvaluateConfig, evaluate
+
+
 def _sweep():
     from functools import partial
 
@@ -74,6 +81,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command("RL with verifiable rewards: any objective, routing mode native | R2 | R3", _train),
     "probe": Command("routing churn and router margins per update from a checkpoint, or engine trace vs trainer",
                      _probe),
+    "evaluate": Command("held-out accuracy at the best temperature on validation, and greedy: the baseline row",
+                        _evaluate),
     "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }
@@ -108,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OSError as err:  # the file system mid-run: permissions, no space left (the run is marked failed)
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"moe-rl {name}: error: {where}{err.strerror or err} (a file system error: fix it, e.g. permissions or "
+              "free space, then run the same command again; train continues from its checkpoint with --resume)",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        print(f"moe-rl {name}: error: out of memory ({str(err).strip().splitlines()[-1][:200]}); lower "
+              "--rollout.sampling.max-new-tokens, the rows per step or the model's size", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt as err:  # SIGINT or SIGTERM before a run was open (train and sft note theirs)
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before the run started; nothing was written",
               file=sys.stderr)
@@ -129,6 +150,12 @@ def _exit_status(run_dir) -> int:
     if status == "interrupted":
         return _signal_exit_status((manifest.get("interrupted") or {}).get("signal") or "SIGINT")
     return EXIT_DIVERGED if status == "diverged" else 0
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA), the CPU allocator's RuntimeError, or Python's MemoryError."""
+    text = str(err)
+    return isinstance(err, MemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text
 
 
 def _signal_exit_status(name: str) -> int:

@@ -112,6 +112,10 @@ class ProbeCommandConfig:
 
     def train_config(self) -> TrainConfig:
         """The one rollout step of `moe-rl train` this probe runs: `updates` minibatches, the update probe only."""
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if rows % self.updates:  # TrainConfig would blame `minibatches`, a flag probe does not have
+            raise ConfigError(f"updates={self.updates} must divide the rollout batch prompts_per_step x group_size = "
+                              f"{rows}; change --updates or --rollout.prompts-per-step / --rollout.group-size")
         return TrainConfig(out_dir=self.out, seed=self.seed, total_steps=1, minibatches=self.updates,
                            routing_mode=self.routing_mode, init_from=self.checkpoint, device=self.device,
                            threads=self.threads, parallel=self.parallel, model=self.model_config(), task=self.task,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe_rl.build import build_model, build_model_tokenizer, check_task_fits, resolve_device
+from moe_rl.build import build_model, build_model_tokenizer, check_sampler_memory, check_task_fits, resolve_device
 from moe_rl.config import SFTConfig
 from moe_rl.model.layers import autocast_context
 from moe_rl.rollout import sampled_reward
@@ -96,6 +96,7 @@ def _sft_in_claim(cfg: SFTConfig, claim, device, stop: StopOnSignal) -> Path:
         tokenizer = build_model_tokenizer(cfg.model)
         task = build_task(cfg.task, tokenizer)
         check_task_fits(cfg.model, tokenizer, task, cfg.sampling.max_new_tokens)
+        check_sampler_memory(cfg.model, cfg.eval_prompts, cfg.sampling.max_new_tokens, device)
         model = build_model(cfg.model, device, cfg.seed, None)
         run = open_claimed(claim, cfg, seed=cfg.seed, device=device, inputs=task_digest(cfg.task, task))
         progress = Progress(cfg.steps, quiet=cfg.quiet)

@@ -29,7 +29,9 @@ returns `churn_stats` of engine vs trainer (docs/design.md section 5) over the p
 
 from __future__ import annotations
 
+import importlib
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +88,10 @@ def read_engine_trace(path: str | Path) -> list[EngineRequest]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such engine trace file")
     reader = {".parquet": _read_parquet, ".pt": _read_pt, ".npy": _read_npy}[path.suffix]
-    return [_checked(path, request) for request in reader(path)]
+    requests = [_checked(path, request) for request in reader(path)]
+    if not requests:
+        raise DataError(f"{path} holds no requests: nothing to compare")
+    return requests
 
 
 def write_engine_trace(path: str | Path, requests: list[EngineRequest]) -> Path:
@@ -110,8 +115,9 @@ def write_engine_trace(path: str | Path, requests: list[EngineRequest]) -> Path:
 
 
 def _ids(request: EngineRequest) -> dict:
-    return {"request_id": request.request_id, "prompt_token_ids": list(request.prompt_token_ids),
-            "output_token_ids": list(request.output_token_ids)}
+    """Plain Python values, so that the .pt loads with weights_only and the .json sidecar serialises."""
+    return {"request_id": str(request.request_id), "prompt_token_ids": _int_list(request.prompt_token_ids),
+            "output_token_ids": _int_list(request.output_token_ids)}
 
 
 def _flat_row(request: EngineRequest) -> dict:
@@ -122,7 +128,11 @@ def _flat_row(request: EngineRequest) -> dict:
 def _read_parquet(path: Path) -> list[EngineRequest]:
     import pandas as pd
 
-    frame = pd.read_parquet(path)
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as err:  # pyarrow's ArrowInvalid for an empty, cut-short or foreign file
+        raise DataError(f"{path} cannot be read as Parquet ({type(err).__name__}): empty, cut short or not a "
+                        "Parquet file") from None
     missing = {"request_id", "prompt_token_ids", "output_token_ids", "routed_experts",
                "routed_experts_shape"} - set(frame.columns)
     if missing:
@@ -138,8 +148,29 @@ def _read_parquet(path: Path) -> list[EngineRequest]:
     return requests
 
 
+# What a .pt trace may hold besides tensors and plain data: numpy arrays and scalars (the module docstring's "a tensor
+# or array"), loaded through weights_only with these reconstructors allowed and nothing else.
+NUMPY_GLOBALS = ("numpy._core.multiarray._reconstruct", "numpy._core.multiarray.scalar", "numpy.core.multiarray."
+                 "_reconstruct", "numpy.core.multiarray.scalar", "numpy.ndarray", "numpy.dtype")
+
+
 def _read_pt(path: Path) -> list[EngineRequest]:
-    records = torch.load(path, weights_only=True)
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path} is not a torch file (not a zip archive: a text file, random bytes, or a file cut "
+                        "short); an engine trace .pt is torch.save of a list of dicts")
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    foreign = [name for name in needed if not name.startswith("numpy.")]
+    if foreign:
+        raise DataError(f"{path} holds objects other than tensors, numpy arrays and plain data ({', '.join(foreign[:3])})"
+                        "; it is not loaded")
+    allowed = [_global(name) for name in needed if name in NUMPY_GLOBALS]
+    allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]  # not listed in `needed`
+    try:
+        with torch.serialization.safe_globals(allowed):
+            records = torch.load(path, weights_only=True)
+    except Exception as err:  # corrupt archive, a numpy object we do not allow: torch's paragraph is not shown
+        raise DataError(f"{path} cannot be loaded safely ({type(err).__name__}): corrupt, or it holds objects other "
+                        "than tensors, numpy arrays and plain data") from None
     if isinstance(records, dict):
         records = [records]
     requests = []
@@ -149,6 +180,11 @@ def _read_pt(path: Path) -> list[EngineRequest]:
                             "output_token_ids")
         requests.append(_from_dict(path, row, record, np.asarray(record["routed_experts"])))
     return requests
+
+
+def _global(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _read_npy(path: Path) -> list[EngineRequest]:
@@ -198,7 +234,7 @@ def check_against_model(path, requests: list[EngineRequest], model) -> None:
     """Refuse requests whose layer count, K, expert ids or token ids do not fit `model`, naming file, request and
     layer."""
     sites = routing_sites(model)
-    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else None
+    vocab = _vocab_size(model)
     for request in requests:
         where = f"{path}: request {request.request_id}"
         n_layers, top_k = request.routed_experts_RLK.shape[1:]
@@ -224,6 +260,14 @@ def check_against_model(path, requests: list[EngineRequest], model) -> None:
         if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):
             raise DataError(f"{where}: token ids span [{min(tokens)}, {max(tokens)}] but the model's vocabulary "
                             f"is 0..{vocab - 1}")
+
+
+def _vocab_size(model) -> int | None:
+    """The model's own vocabulary: a Hugging Face checkpoint's config, not the ModelConfig default beside it."""
+    hf_config = getattr(getattr(model, "hf", None), "config", None)
+    if hf_config is not None:
+        return hf_config.vocab_size
+    return model.cfg.vocab_size if hasattr(model, "cfg") else None
 
 
 def _repeated(sorted_K: np.ndarray) -> int:

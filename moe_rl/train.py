@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from moe_rl import distributed
-from moe_rl.build import build_model_tokenizer, check_task_fits, resolve_device
+from moe_rl.build import build_model_tokenizer, check_sampler_memory, check_task_fits, resolve_device
 from moe_rl.config import TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
@@ -78,7 +78,7 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
         if action == "done":
             say(f"nothing to do: {cfg.out_dir} already finished at step {cfg.total_steps}")
             return
-        inputs = check_inputs(cfg)
+        inputs = check_inputs(cfg, device)
         on_main(lambda: claim.check_same_inputs(inputs))
         trainer = Trainer(cfg, device, init_weights=action != "resume")
         if action == "resume":
@@ -95,14 +95,18 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
             claim.release()
 
 
-def check_inputs(cfg: TrainConfig) -> dict:
-    """What would fail later with a traceback: a tracker not installed, a vocabulary or context the task overflows.
-    Returns the content hash of the task data, which a resume compares with the run's (manifest `inputs`)."""
+def check_inputs(cfg: TrainConfig, device: torch.device | None = None) -> dict:
+    """What would fail later with a traceback: a tracker not installed, a vocabulary or context the task overflows,
+    a KV cache larger than the device. Returns the content hash of the task data, which a resume compares with the
+    run's (manifest `inputs`)."""
     check_trackers_installed(cfg.log.trackers)
     cfg.correction.validate()
     tokenizer = build_model_tokenizer(cfg.model)
     task = build_task(cfg.task, tokenizer)
     check_task_fits(cfg.model, tokenizer, task, cfg.rollout.sampling.max_new_tokens)
+    rows = max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.log.eval_prompts if cfg.log.eval_every else 0)
+    if device is not None:
+        check_sampler_memory(cfg.model, rows, cfg.rollout.sampling.max_new_tokens, device)
     return task_digest(cfg.task, task)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +101,225 @@ def test_probe_choice_fields_are_choices(capsys, tmp_path, flag, value):
     code, stdout, stderr = run_cli(capsys, ["probe", "--out", tmp_path / "p", flag, value])
     assert code == 2 and f"invalid choice '{value}'" in stderr and flag in stderr and "Traceback" not in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# --- inputs that used to print a traceback ---------------------------------------------------------------------------
+
+TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
+         "--rollout.sampling.max-new-tokens", "4", "--quiet"]
+
+
+def assert_one_line(result, *named: str) -> str:
+    code, out, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, err
+    for text in named:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `moe-rl argv` through the entry point, in this process."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("bad") / "run"
+    code, _, err = cli(*TRAIN, "--out-dir", run, "--total-steps", "2", "--checkpoint-every", "1")
+    assert code == 0, err
+    return run
+
+
+@pytest.mark.parametrize("text, named", [
+    ("rollout: 5\n", "'rollout' is a group of fields (RolloutConfig): it needs a mapping"),
+    ("rollout: null\n", "'rollout' is a group of fields"),
+    ("optim: [1, 2]\n", "'optim' is a group of fields (OptimConfig)"),
+    ("rollout:\n  sampling: 3\n", "'sampling' is a group of fields (SamplingConfig)"),
+])
+def test_a_config_section_that_is_not_a_mapping_is_named(tmp_path, text, named):
+    (tmp_path / "c.yaml").write_text(text)
+    assert_one_line(cli(*TRAIN, "--config-file", tmp_path / "c.yaml", "--out-dir", tmp_path / "run"), "c.yaml", named)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+@pytest.mark.parametrize("text", ['{"experiment": "smo', "[]\n", "{}\n"])
+def test_a_truncated_sweep_json_is_named_and_kept(tmp_path, text):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(text)
+    assert_one_line(cli("sweep", "smoke", "--sweep-dir", sweep, "--dry-run"), f"{sweep / 'sweep.json'}")
+    assert (sweep / "sweep.json").read_text() == text and [p.name for p in sweep.iterdir()] == ["sweep.json"]
+
+
+@pytest.mark.parametrize("argv", [[*TRAIN, "--out-dir"], ["sft", *TINY, "--out-dir"],
+                                  ["sweep", "smoke", "--dry-run", "--sweep-dir"]])
+def test_a_300_character_directory_name_is_one_line(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(cli(*argv, "x" * 300), "is 300 bytes long; the file system allows 255")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_be_written_mid_run_is_one_line_and_resumes(tmp_path, monkeypatch):
+    import moe_rl.trainer
+
+    saved = moe_rl.trainer.save_checkpoint
+
+    def unwritable_at_step_2(run_dir, step, state, keep_every=None):
+        if step == 2:
+            raise PermissionError(13, "Permission denied", str(run_dir / "checkpoints" / "latest.pt"))
+        return saved(run_dir, step, state, keep_every)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(moe_rl.trainer, "save_checkpoint", unwritable_at_step_2)
+    assert_one_line(cli(*TRAIN, "--out-dir", run, "--total-steps", "3", "--checkpoint-every", "1"),
+                    f"{run / 'checkpoints' / 'latest.pt'}: Permission denied", "--resume")
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "PermissionError" in manifest["reason"]
+    assert manifest["checkpoints"]["latest.pt"]["step"] == 1
+    monkeypatch.setattr(moe_rl.trainer, "save_checkpoint", saved)
+    code, _, err = cli(*TRAIN, "--out-dir", run, "--total-steps", "3", "--checkpoint-every", "1", "--resume")
+    assert code == 0, err
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_with_a_sizing_hint(tmp_path):
+    line = assert_one_line(cli(*TRAIN, "--out-dir", tmp_path / "run", "--model.max-seq-len", "200000000",
+                               "--rollout.sampling.max-new-tokens", "100000000"),
+                           "rollout.sampling.max_new_tokens=100000000: the sampler's KV cache needs about",
+                           "--rollout.sampling.max-new-tokens")
+    assert "GiB" in line and list(tmp_path.iterdir()) == []
+
+
+def test_report_on_a_truncated_routing_table_names_it(finished_run, tmp_path):
+    import shutil
+
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    table = sorted((run / "routing").glob("*.parquet"))[0]
+    table.write_bytes(table.read_bytes()[:100])
+    assert_one_line(cli("report", run, "--out", tmp_path / "report"), f"{table} cannot be read as Parquet")
+
+
+@pytest.mark.parametrize("path", ["fifo", "/dev/zero"])
+def test_a_fifo_or_device_as_task_path_is_named_as_such(tmp_path, path):
+    import os
+
+    if path == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    assert_one_line(cli(*TRAIN, "--out-dir", tmp_path / "run", "--task.source", "file", "--task.path", path),
+                    f"{path} is not a regular file (a FIFO, a device or a socket)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_probe_updates_that_do_not_divide_the_batch_blame_updates(tmp_path):
+    line = assert_one_line(cli("probe", "--updates", "3", "--out", tmp_path / "p"), "updates=3 must divide")
+    assert "minibatches" not in line and list(tmp_path.iterdir()) == []
+
+
+def test_a_unicode_run_directory_prints_under_an_ascii_terminal(finished_run, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    run = Path(shutil.copytree(finished_run, tmp_path / "résumé-运行"))
+    env = {**os.environ, "LC_ALL": "C", "PYTHONIOENCODING": "ascii", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "moe_rl.cli", *TRAIN, "--out-dir", str(run), "--total-steps", "2",
+                           "--resume"], env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert b"nothing to do: " in done.stdout and b"r\\xe9sum\\xe9" in done.stdout
+
+
+# --- engine traces and Hugging Face checkpoints ----------------------------------------------------------------------
+
+
+def test_probe_trace_refuses_an_empty_parquet_and_a_text_file_named_pt(tmp_path):
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "text.pt").write_text("not a trace\n")
+    assert_one_line(cli("probe", "--trace", tmp_path / "empty.parquet", "--out", tmp_path / "p"),
+                    "empty.parquet cannot be read as Parquet")
+    assert_one_line(cli("probe", "--trace", tmp_path / "text.pt", "--out", tmp_path / "p"),
+                    "text.pt is not a torch file")
+    assert not (tmp_path / "p").exists()
+
+
+def test_pt_traces_with_numpy_values_load_as_the_docs_say(tmp_path):
+    import numpy as np
+    import torch
+
+    from moe_rl.errors import DataError
+    from moe_rl.traces import EngineRequest, read_engine_trace, write_engine_trace
+
+    ids_RLK = np.arange(2 * 1 * 2, dtype=np.int16).reshape(2, 1, 2)
+    own = EngineRequest(np.str_("a"), [np.int64(5), np.int64(6)], [np.int64(7)], ids_RLK)  # numpy scalars
+    read = read_engine_trace(write_engine_trace(tmp_path / "own.pt", [own]))
+    assert (read[0].request_id, read[0].prompt_token_ids, read[0].output_token_ids) == ("a", [5, 6], [7])
+    torch.save([{"request_id": "b", "prompt_token_ids": np.array([5, 6]), "output_token_ids": np.array([7]),
+                 "routed_experts": ids_RLK}], tmp_path / "arrays.pt")
+    read = read_engine_trace(tmp_path / "arrays.pt")
+    assert read[0].prompt_token_ids == [5, 6] and (read[0].routed_experts_RLK == ids_RLK).all()
+    import pandas as pd
+
+    pd.DataFrame({c: [] for c in ("request_id", "prompt_token_ids", "output_token_ids", "routed_experts",
+                                  "routed_experts_shape")}).to_parquet(tmp_path / "none.parquet")
+    with pytest.raises(DataError, match="holds no requests"):
+        read_engine_trace(tmp_path / "none.parquet")
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint directory with a 128-token vocabulary (more than the default 99)."""
+    pytest.importorskip("transformers")
+    from moe_rl.model import ModelConfig
+    from moe_rl.model.hf import build_hf_model
+
+    path = tmp_path_factory.mktemp("hf") / "qwen"
+    model = build_hf_model(ModelConfig(backend="hf", hf_config="qwen3_moe", d_model=32, n_layers=2, n_heads=4,
+                                       n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64, vocab_size=128))
+    model.hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("config", "config.json cannot be read"),
+    ("no weights", "the weights cannot be loaded (OSError"),
+    ("truncated", "the weights cannot be loaded (SafetensorError"),
+])
+def test_a_broken_hf_checkpoint_is_one_line(hf_checkpoint, tmp_path, damage, named):
+    import shutil
+
+    broken = Path(shutil.copytree(hf_checkpoint, tmp_path / "broken"))
+    weights = broken / "model.safetensors"
+    if damage == "config":
+        (broken / "config.json").write_text((broken / "config.json").read_text()[:40])
+    elif damage == "no weights":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:3000])
+    assert_one_line(cli("train", "--model.backend", "hf", "--model.hf-path", broken, "--out-dir", tmp_path / "run",
+                        "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--minibatches", "1",
+                        "--total-steps", "1"), f"hf_path={broken}", named)
+    assert not (tmp_path / "run").exists()
+
+
+def test_probe_trace_checks_token_ids_against_the_checkpoints_vocabulary(hf_checkpoint, tmp_path):
+    import numpy as np
+
+    from moe_rl.traces import EngineRequest, write_engine_trace
+
+    tokens = list(range(1, 123))  # ids above the default vocabulary of 99, inside the checkpoint's 128
+    ids_RLK = np.tile(np.array([[0, 1], [2, 3]], np.int16), (len(tokens) - 1, 1, 1))
+    write_engine_trace(tmp_path / "trace.pt", [EngineRequest("r", tokens[:100], tokens[100:], ids_RLK)])
+    code, out, err = cli("probe", "--model.backend", "hf", "--model.hf-path", hf_checkpoint, "--trace",
+                         tmp_path / "trace.pt", "--out", tmp_path / "p")
+    assert code == 0, err
+    rows = json.loads((tmp_path / "p" / "probe.json").read_text())
+    assert rows and "set_change" in out

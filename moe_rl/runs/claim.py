@@ -89,13 +89,32 @@ def fresh_run_name(parent: str = "runs", stem: str = "run") -> str:
 def check_out_dir(path: str | os.PathLike, flag: str = "--out-dir") -> None:
     """Refuse a path that is a regular file, or a directory (or nearest existing parent) this user cannot write."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    existing = next(p for p in (path, *path.absolute().parents) if _exists(p))
+    longest = max(path.absolute().parts, key=lambda part: len(os.fsencode(part)))
+    limit = _name_max(existing)
+    if len(os.fsencode(longest)) > limit:
+        raise ConfigError(f"{flag} {path}: the name {longest[:24]}... is {len(os.fsencode(longest))} bytes long; "
+                          f"the file system allows {limit} per file or folder name: choose a shorter {flag}")
+    if existing == path and not path.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a directory; choose another {flag}")
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{flag} {path}: {existing} is a file, so the directory cannot be made")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {existing} is not writable by this user")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long to ask about
+        return False
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def claim_run_dir(out_dir: str | os.PathLike, *, resume: bool, total_steps: int,
