@@ -16,6 +16,7 @@ from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig, get_objective
 from moe_rl.probes import ProbeConfig
 from moe_rl.rollout import SamplingConfig
+from moe_rl.routing import ReplayConfig
 from moe_rl.tasks import TaskConfig
 
 RoutingMode = Literal["native", "R2", "R3"]
@@ -162,6 +163,7 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     def __post_init__(self) -> None:
         check_numbers(self)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)

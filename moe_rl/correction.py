@@ -141,8 +141,9 @@ def rollout_correction(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor, cfg: C
     keep_BT = mask_BT.clone()
     for option, (lo, hi) in cfg.bounds().items():
         keep_BT &= passes(option, log_ratio_BT, mask_BT, lo, hi)
+    rejected_B = (mask_BT & ~keep_BT).any(dim=1)
     metrics = {"correction/masked_frac": masked_mean(~keep_BT, mask_BT).item(),
-               "correction/seq_masked_frac": masked_mean((mask_BT & ~keep_BT).any(1), nonempty_sequences(mask_BT)).item(),
+               "correction/seq_masked_frac": masked_mean(rejected_B, nonempty_sequences(mask_BT)).item(),
                "correction/truncated_frac": masked_mean(capped_BT, mask_BT).item(),
                "correction/zeroed_frac": masked_mean(zeroed_BT, mask_BT).item(),
                **weight_stats(weights_BT, keep_BT)}

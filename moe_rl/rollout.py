@@ -11,9 +11,10 @@ so position t's routing and logits produce token t+1. When asked, the sampler re
 that input layout: prefill and decode steps stitched together, equal to a full forward over the sampled
 sequences. That is the trace R3 replays.
 
-Log-probs are those of the temperature-scaled distribution, softmax(logits / temperature), without the
-top-p truncation: the quantity a trainer can recompute. With top_p = 1 (the default) they are exactly the
-sampling distribution.
+Log-probs are those of the distribution each token was drawn from: softmax(logits / temperature), renormalised
+over the nucleus when top_p < 1. A trainer that scores the full distribution then sees every ratio biased by the
+log of the nucleus mass (TRL issue 6789); `keep_sampling_mask` records each step's nucleus so that the trainer
+renormalises over the same support (moe_rl.policy), as DeepSeek-V3.2's "keep sampling mask" does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Literal
 import torch
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
-from moe_rl.model.layers import SAMPLER_PRECISIONS, sampler_autocast
+from moe_rl.model.precision import SAMPLER_PRECISIONS, sampler_numerics
 from moe_rl.routing import RoutingTrace, record_routing
 
 
@@ -40,9 +41,16 @@ class SamplingConfig:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
     precision: Literal[SAMPLER_PRECISIONS] = "trainer"  # the tuple spells the choices; --help lists them
-    """Sampler numerics: 'trainer' (the trainer's: fp32 on CPU) or 'bf16' (an emulated inference engine: bf16
-    autocast with bf16 router logits, so some router decisions differ from the fp32 trainer's; R3 then differs
-    from R2). Held-out evaluation samples the same way."""
+    """Sampler numerics (moe_rl.model.precision): 'trainer' (the trainer's: fp32 on CPU); emulated inference
+    engines 'bf16', 'fp16' (autocast and router gate in that dtype) and 'fp8' (attention and expert matrices stored
+    as float8 e4m3 with a per-matrix scale, bf16 otherwise), whose router decisions differ from the fp32 trainer's at
+    near-ties (R3 then differs from R2); 'exact': samples as 'trainer', and the trainer replaces the sampler's
+    log-probs and routing by its own old pass's (bit for bit: the zero-mismatch control). Held-out evaluation samples
+    the same way."""
+    keep_sampling_mask: bool = False
+    """With top_p < 1: keep each step's nucleus, and have the trainer renormalise its log-probs over it (every
+    pass: old, updates, probes), so that trainer and sampler score the same truncated distribution. Without it the
+    trainer scores the full distribution and every ratio is off by the nucleus mass."""
 
     def __post_init__(self) -> None:
         check_positive("max_new_tokens", self.max_new_tokens)
@@ -59,6 +67,7 @@ class Generation:
     prompt_len: int  # P
     logprobs_BN: torch.Tensor  # sampler log-prob of each response token, 0 where not a response token
     routing: RoutingTrace | None  # over input_ids_BS, or None if not recorded
+    support_BNV: torch.Tensor | None = None  # keep_sampling_mask: each step's nucleus (all True after EOS)
 
     @property
     def response_BN(self) -> torch.Tensor:
@@ -90,18 +99,26 @@ def left_align(ids_BP: torch.Tensor, valid_BP: torch.Tensor) -> tuple[torch.Tens
 
 
 def sample_next(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
-    """Draw one token per row; return (tokens_B, their log-probs under softmax(logits / temperature))."""
+    """Draw one token per row; return (tokens_B, their log-probs under the distribution drawn from)."""
+    tokens_B, logp_B, _ = draw(logits_BV, cfg, generator)
+    return tokens_B, logp_B
+
+
+def draw(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
+    """(tokens_B, log-probs, support_BV): one token per row from softmax(logits / temperature), truncated to the
+    nucleus and renormalised when top_p < 1; support_BV is the nucleus (None when top_p = 1)."""
     scaled_BV = logits_BV.float()
     if cfg.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
         scaled_BV = scaled_BV / cfg.temperature
     logp_BV = torch.log_softmax(scaled_BV, dim=-1)
     if not torch.isfinite(logp_BV).all():
         raise FloatingPointError("the model produced non-finite logits while sampling")
-    probs_BV = logp_BV.exp()
+    support_BV = None
     if cfg.top_p < 1.0:
-        probs_BV = _nucleus(probs_BV, cfg.top_p)
-    tokens_B = inverse_cdf_draw(probs_BV, generator)
-    return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        support_BV = nucleus_support(logp_BV.exp(), cfg.top_p)
+        logp_BV = torch.log_softmax(scaled_BV.masked_fill(~support_BV, -torch.inf), dim=-1)
+    tokens_B = inverse_cdf_draw(logp_BV.exp(), generator)
+    return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1), support_BV
 
 
 def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -119,11 +136,11 @@ def inverse_cdf_draw(probs_BV: torch.Tensor, generator: torch.Generator | None) 
     return tokens_B.clamp(max=probs_BV.shape[1] - 1)
 
 
-def _nucleus(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_support(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest set of most likely tokens whose mass reaches top_p, as a bool mask (the top token always)."""
     sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
     mass_before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
-    sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p, 0.0)  # the top token always survives
-    return torch.zeros_like(probs_BV).scatter(1, order_BV, sorted_BV)
+    return torch.zeros_like(probs_BV, dtype=torch.bool).scatter(1, order_BV, mass_before_BV < top_p)
 
 
 def generate(
@@ -136,20 +153,25 @@ def generate(
     generator: torch.Generator | None = None,
     record: bool = False,
     use_cache: bool = True,
+    record_weights: bool = False,
 ) -> Generation:
     """Sample one completion per prompt row. `use_cache=False` recomputes the prefix every step
-    (the reference the KV cache is checked and benchmarked against)."""
+    (the reference the KV cache is checked and benchmarked against). `record_weights`: the recorded routing keeps
+    the gate weights too (for R3 replaying them)."""
     # inference_mode skips autograd's version counters and view tracking on every op of the decode loop (cheaper
     # than no_grad). Its tensors may not enter autograd later (the trainer's embedding saves the token ids), so the
     # few outputs are cloned into ordinary tensors on the way out.
     with torch.inference_mode():
-        gen = _generate(model, prompt_ids_BP, prompt_valid_BP, cfg, eos_id, pad_id, generator, record, use_cache)
-    routing = RoutingTrace(gen.routing.ids_LBSK.clone()) if gen.routing is not None else None
-    return Generation(gen.tokens_BS.clone(), gen.valid_BS.clone(), gen.prompt_len, gen.logprobs_BN.clone(), routing)
+        gen = _generate(model, prompt_ids_BP, prompt_valid_BP, cfg, eos_id, pad_id, generator, record, use_cache,
+                        record_weights)
+    routing = gen.routing.clone() if gen.routing is not None else None
+    support = gen.support_BNV.clone() if gen.support_BNV is not None else None
+    return Generation(gen.tokens_BS.clone(), gen.valid_BS.clone(), gen.prompt_len, gen.logprobs_BN.clone(), routing,
+                      support)
 
 
 def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id: int, pad_id: int,
-              generator, record: bool, use_cache: bool) -> Generation:
+              generator, record: bool, use_cache: bool, record_weights: bool = False) -> Generation:
     ids_BP, valid_BP = left_align(prompt_ids_BP, prompt_valid_BP.bool())
     B, P = ids_BP.shape
     # Preallocated to the longest generation, so a step writes one column instead of copying the sequence;
@@ -157,16 +179,19 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     tokens_BW = torch.cat([ids_BP, ids_BP.new_full((B, cfg.max_new_tokens), pad_id)], dim=1)
     valid_BW = torch.cat([valid_BP, valid_BP.new_zeros(B, cfg.max_new_tokens)], dim=1)
     finished_B = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
-    logprobs = []
-    with record_routing(model) if record and use_cache else nullcontext() as recorder, \
-            sampler_autocast(ids_BP.device, cfg.precision):
+    logprobs, supports = [], []
+    keep_support = cfg.keep_sampling_mask and cfg.top_p < 1.0
+    with record_routing(model, with_weights=record_weights) if record and use_cache else nullcontext() as recorder, \
+            sampler_numerics(model, ids_BP.device, cfg.precision):
         # Made in the sampler's precision: its key layout follows whether the C decode attention serves it.
         cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
         logits_BV = model(ids_BP, valid_BP, cache).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
-            next_B, logp_B = sample_next(logits_BV, cfg, generator)
+            next_B, logp_B, support_BV = draw(logits_BV, cfg, generator)
             next_B = next_B.masked_fill(finished_B, pad_id)
             logprobs.append(logp_B.masked_fill(finished_B, 0.0))
+            if keep_support:  # a padding position keeps every token, so its renormalisation stays finite
+                supports.append(support_BV | finished_B[:, None])
             length = P + step + 1
             tokens_BW[:, length - 1] = next_B
             valid_BW[:, length - 1] = ~finished_B
@@ -177,8 +202,9 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     tokens_BS, valid_BS = tokens_BW[:, :length].contiguous(), valid_BW[:, :length].contiguous()
     routing = None
     if record:
-        routing = recorder.trace() if use_cache else _record_full(model, tokens_BS, valid_BS)
-    return Generation(tokens_BS, valid_BS, P, torch.stack(logprobs, dim=1), routing)
+        routing = recorder.trace() if use_cache else _record_full(model, tokens_BS, valid_BS, record_weights)
+    support_BNV = torch.stack(supports, dim=1) if keep_support else None
+    return Generation(tokens_BS, valid_BS, P, torch.stack(logprobs, dim=1), routing, support_BNV)
 
 
 def _next_logits(model, tokens_BS, valid_BS, cache):
@@ -187,8 +213,8 @@ def _next_logits(model, tokens_BS, valid_BS, cache):
     return model(tokens_BS[:, -1:], valid_BS, cache).logits_BSV[:, -1]
 
 
-def _record_full(model, tokens_BS, valid_BS) -> RoutingTrace:
-    with record_routing(model) as recorder:
+def _record_full(model, tokens_BS, valid_BS, record_weights: bool = False) -> RoutingTrace:
+    with record_routing(model, with_weights=record_weights) as recorder:
         model(tokens_BS[:, :-1], valid_BS[:, :-1])
     return recorder.trace()
 
@@ -216,6 +242,7 @@ class RolloutBatch:
     sampler_routing: RoutingTrace | None
     prompts: list[str]
     completions: list[str]
+    sampler_support_BNV: torch.Tensor | None = None  # keep_sampling_mask: the nucleus of every response position
 
     @property
     def size(self) -> int:
@@ -256,13 +283,15 @@ def encode_prompts(prompts: list[str], tokenizer, device) -> tuple[torch.Tensor,
 
 
 def generate_groups(model, task, tokenizer, problems, group_size: int, cfg: SamplingConfig,
-                    generator: torch.Generator | None, record: bool) -> tuple[Generation, torch.Tensor, list[str]]:
+                    generator: torch.Generator | None, record: bool,
+                    record_weights: bool = False) -> tuple[Generation, torch.Tensor, list[str]]:
     """Sample `group_size` completions per problem; return the generation, rewards (rows grouped by problem:
     row i*G + g is completion g of problem i) and the decoded completions."""
     device = next(model.parameters()).device
     prompts = [p.prompt for p in problems for _ in range(group_size)]
     ids_BP, valid_BP = encode_prompts(prompts, tokenizer, device)
-    gen = generate(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record)
+    gen = generate(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record,
+                   record_weights=record_weights)
     completions = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
     rewards = [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
     return gen, torch.tensor(rewards, dtype=torch.float32), completions
@@ -284,6 +313,7 @@ def to_rollout_batch(gen: Generation, rewards_B: torch.Tensor, advantages_B: tor
         sampler_routing=gen.routing,
         prompts=prompts,
         completions=completions,
+        sampler_support_BNV=gen.support_BNV,
     )
 
 

@@ -17,18 +17,11 @@ import math
 
 import torch
 
-from moe_rl.routing import RecordSession, RoutingTrace, expert_overlap
+# topk_margin_T lives in moe_rl.routing (margin-threshold replay uses it too) and is re-exported here.
+from moe_rl.routing import RecordSession, RoutingTrace, expert_overlap, topk_margin_T  # noqa: F401
 
 MARGIN_THRESHOLDS = (0.001, 0.01, 0.05)
 LOW_MARGIN_QUANTILE = 0.1
-
-
-def topk_margin_T(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """score of the k-th minus score of the (k+1)-th expert, per token (+inf when k equals the number of experts)."""
-    if k >= scores_TE.shape[-1]:
-        return torch.full(scores_TE.shape[:1], math.inf, device=scores_TE.device)
-    top_T2 = scores_TE.float().topk(k + 1, dim=-1).values[:, k - 1:]
-    return top_T2[:, 0] - top_T2[:, 1]
 
 
 class MarginRecordSession(RecordSession):

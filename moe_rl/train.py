@@ -101,6 +101,7 @@ def check_inputs(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     run's (manifest `inputs`)."""
     check_trackers_installed(cfg.log.trackers)
     cfg.correction.validate()
+    cfg.replay.validate(cfg.routing_mode)
     tokenizer = build_model_tokenizer(cfg.model)
     task = build_task(cfg.task, tokenizer)
     check_task_fits(cfg.model, tokenizer, task, cfg.rollout.sampling.max_new_tokens)

@@ -181,7 +181,8 @@ class Trainer:
             with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
                 gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
                                                               cfg.rollout.group_size, cfg.rollout.sampling,
-                                                              self.generators["sample"], record)
+                                                              self.generators["sample"], record,
+                                                              record_weights=cfg.replay.gate_weights)
         except FloatingPointError as err:
             raise Diverged(f"{err} at step {self.step}") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
@@ -247,7 +248,8 @@ class Trainer:
             if j == 0 and self._old_pass_runs_first_update():
                 out = first_update = self._first_update_forward(rows, with_entropy)
             elif mode == "R3":
-                out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing)
+                out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing,
+                                     replay_options=self.cfg.replay)
             else:
                 out = policy_forward(self.model, rows, temp, record=True, with_entropy=with_entropy)
             if mode != "R3" and with_entropy:
@@ -259,6 +261,23 @@ class Trainer:
         entropy = torch.cat(entropies, dim=1) if entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
         return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN, first_update)
+
+    @torch.no_grad()
+    def exact_sampler(self, batch: RolloutBatch, chunks) -> RolloutBatch:
+        """`sampling.precision exact`: the sampler's log-probs and routing replaced by the trainer's own forward of
+        theta_old, chunk by chunk in the old pass's chunks (native routing, recorded with gate weights when R3 replays
+        them). The old pass then computes the same function on the same rows in the same layout (under R3 replaying
+        this very routing), so the sampler's and the old pass's log-probs are equal bit for bit on CPU: the
+        zero-mismatch control. The tokens were still drawn by the KV-cached sampler (the same fp32 function up to
+        rounding)."""
+        temp, logps, traces = self.cfg.rollout.sampling.temperature, [], []
+        for chunk in chunks:
+            out = policy_forward(self.model, batch.rows(chunk), temp, record=True,
+                                 record_weights=self.cfg.replay.gate_weights)
+            logps.append(out.logp_BN)
+            traces.append(out.trace)
+        logp_BN = torch.where(batch.response_mask_BN, torch.cat(logps), 0.0)
+        return replace(batch, sampler_logp_BN=logp_BN, sampler_routing=RoutingTrace.cat(traces))
 
     def _old_pass_runs_first_update(self) -> bool:
         """Whether chunk 0 of the old pass is also update 0's forward. Both run theta_old on the same rows, in the same
@@ -283,7 +302,7 @@ class Trainer:
             if self.cfg.routing_mode == "R3":
                 record_native = self.cfg.probes.due("replay", self.updates)
                 return policy_forward(self.train_model, rows, temp, replay=rows.sampler_routing,
-                                      record_native=record_native)
+                                      record_native=record_native, replay_options=self.cfg.replay)
             out = policy_forward(self.train_model, rows, temp, record=True, with_entropy=with_entropy)
         return replace(out, native_trace=out.trace) if self.cfg.routing_mode == "R2" else out
 
@@ -302,7 +321,7 @@ class Trainer:
         out = forward
         if out is None:
             out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
-                                 record_native=record_native)
+                                 record_native=record_native, replay_options=self.cfg.replay)
         mask_BN = mb.response_mask_BN
         total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share, correction)
         metrics.update({"loss/total": total.item(), "grad_norm": self._backward(total),
@@ -313,6 +332,10 @@ class Trainer:
         if record_native:
             metrics.update(prober.replay(replay, out.native_trace, mb.token_mask_BS(prober.cfg.tokens),
                                          self.updates, minibatch))
+            if "routing/replay/set_change" in metrics:  # the replay's replace rate, under its standard name
+                metrics["routing/replay/replace_rate"] = metrics["routing/replay/set_change"]
+        if out.replay_stats is not None:
+            metrics.update(out.replay_stats)
         return metrics
 
     def _loss(self, out, mb: RolloutBatch, old_logp_BN, ref_logp_BN, share: LossShare | None,
@@ -403,6 +426,8 @@ class Trainer:
         batch, chunks = self.minibatch_chunks(batch, n_updates)
         old, prober = None, None
         if chunks:  # always, except on a data-parallel rank whose groups DAPO all dropped: it takes part idle
+            if cfg.rollout.sampling.precision == "exact":
+                batch = self.exact_sampler(batch, chunks)
             old = self.old_pass(batch, chunks)
             rollout_metrics.update(self._correct(batch, old))
             t2 = time.perf_counter()

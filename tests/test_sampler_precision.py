@@ -41,4 +41,4 @@ def test_bf16_engine_routes_differently_from_the_fp32_trainer_and_the_default_do
 
 def test_unknown_precision_is_refused():
     with pytest.raises(ConfigError, match="precision"):
-        SamplingConfig(precision="fp16")
+        SamplingConfig(precision="fp4")

@@ -265,31 +265,8 @@ def autocast_context(device: torch.device):
     return contextlib.nullcontext()
 
 
-SAMPLER_PRECISIONS = ("trainer", "bf16")
-_engine = {"router_dtype": None}  # set only inside sampler_autocast(..., "bf16")
-
-
-def engine_router_dtype() -> torch.dtype | None:
-    """The dtype routers compute in inside an emulated inference engine (sampler_autocast "bf16"), else None."""
-    return _engine["router_dtype"]
-
-
-@contextlib.contextmanager
-def sampler_autocast(device: torch.device, precision: str = "trainer"):
-    """The sampler's numerics. "trainer": autocast_context, so sampler and trainer route identically on CPU.
-    "bf16": an emulated inference engine: bf16 autocast on any device, and routers that round their input and
-    weight to bf16 and produce bf16 logits (as a bf16 engine's gate does), so near-tied router decisions flip
-    between sampler and trainer (the mismatch R3 replays away). Not reentrant across threads."""
-    if precision == "trainer":
-        with autocast_context(device):
-            yield
-        return
-    _engine["router_dtype"] = torch.bfloat16
-    try:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-    finally:
-        _engine["router_dtype"] = None
+# The sampler's numerics live in their own module; re-exported here for the model's and the sampler's imports.
+from moe_rl.model.precision import SAMPLER_PRECISIONS, engine_router_dtype, sampler_autocast  # noqa: E402, F401
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
