@@ -8,7 +8,7 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 where GRPO learns (long completions)   | 25 runs, see doc |
 | `stress`               | the same methods at 8x lr and 8 minibatches: who collapses              | 15 runs, see doc |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
-| `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, ~2 h    |
+| `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, 6-9 h   |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
 

@@ -17,10 +17,13 @@ noise of the comparison. Each run logs held-out reward, the mismatch metrics (`r
     moe-rl sweep correction --arg seeds=5 --arg steps=40
     moe-rl sweep correction --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU: one run of 30 rollout steps takes about 4 minutes on one free core at the regime's 64 x 8 rollouts (measured:
-a 2-step run of GRPO+TIS under fp8, `moe-rl train` with this sweep's config, see docs/metrics.md "Sampler precision
-arms"), so the 45 runs take about 1.5-2 hours with --workers 2 on two cores; the warm start (800 SFT steps) about 5
-minutes more. Not yet run; results/correction/ is where its committed study goes.
+CPU, timed: a 2-rollout-step run of the fp8 + TIS point from the regime's warm start took 120 s of wall time on the
+2-core machine shared with three other jobs (rollout 14 s and 36 s, old pass 2 s and 5 s, 4 updates 7 s per step,
+plus the held-out evaluations at step 0 and at the end: 256 prompts sampled and greedy), i.e. about 20-45 s per
+rollout step and 20-25 s per evaluation. A 30-step run (7 evaluations) is then about 15-25 minutes there, and the 45
+runs about 6-9 hours with --workers 2 (less on idle cores: objective_comparison's bf16 runs measured about 8 s per
+rollout step with two runs sharing 2 cores); the warm start (800 SFT steps) took 6.6 minutes. Not yet run;
+results/correction/ is where its committed study goes.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
