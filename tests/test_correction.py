@@ -258,3 +258,31 @@ def test_gspo_takes_the_mean_weight_of_a_sequence():
     spec, cfg = get_objective("gspo"), ObjectiveConfig(name="gspo")
     assert spec(logp, old, adv_BT, keep, cfg)[0].item() == pytest.approx(2 * spec(logp, old, adv, mask, cfg)[0].item(),
                                                                         rel=1e-6)
+
+
+def test_the_trainer_loss_takes_the_weights_and_the_kept_tokens(tmp_path):
+    from dataclasses import replace
+
+    from conftest import tiny_train_config
+    from moe_rl.correction import Correction
+    from moe_rl.policy import policy_forward
+    from moe_rl.trainer import Trainer
+
+    trainer = Trainer(tiny_train_config(tmp_path / "run"), torch.device("cpu"))
+    batch, _ = trainer.rollout()
+    batch = replace(batch, advantages_B=torch.linspace(-1.0, 1.0, batch.size))
+    out = policy_forward(trainer.model, batch, 1.0)
+    old_logp = out.logp_BN.detach() + 0.05  # ratios away from 1, inside GRPO's clip range
+    mask = batch.response_mask_BN
+
+    def loss(correction, rows=batch):
+        return trainer._loss(out if rows is batch else policy_forward(trainer.model, rows, 1.0), rows,
+                             old_logp if rows is batch else old_logp[1:], None, None, correction)[1]["loss"]
+
+    plain = loss(None)
+    doubled = loss(Correction(torch.where(mask, 2.0, 0.0), mask.clone(), {}))
+    assert plain != 0 and doubled == pytest.approx(2 * plain, rel=1e-6)
+    keep = mask.clone()
+    keep[0] = False  # rejecting row 0 is training on the other rows
+    rest = loss(None, rows=batch.rows(torch.arange(1, batch.size)))
+    assert loss(Correction(mask.float(), keep, {})) == pytest.approx(rest, rel=1e-6)
