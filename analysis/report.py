@@ -64,8 +64,9 @@ class ReportConfig:
 
     runs: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")]
     """A run directory, a folder of runs, or a sweep directory (searched recursively)."""
-    out: str = "results/report"
-    """Output folder for README.md, figures/ and tables/ (created; existing files are overwritten)."""
+    out: str | None = None
+    """Output folder for README.md, figures/ and tables/ (created; existing files are overwritten). None: RUNS/report,
+    next to the runs it describes (never into the committed results/ unless asked for)."""
     group_by: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY [KEY ...]")] = ()
     """Config fields that define groups, e.g. `objective.name routing_mode`; none given: every field that varies
     across the runs, except seeds and bookkeeping (out_dir, device, log.*, ...)."""
@@ -77,6 +78,8 @@ class ReportConfig:
     within +-margin at level 0.05. State it before the runs; written into the command line above the report."""
 
     def __post_init__(self) -> None:
+        if self.out is None:
+            self.out = str(Path(self.runs) / "report")
         check_positive("last_k", self.last_k)
         check_positive("equivalence_margin", self.equivalence_margin)
 

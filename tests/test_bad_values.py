@@ -323,3 +323,14 @@ def test_probe_trace_checks_token_ids_against_the_checkpoints_vocabulary(hf_chec
     assert code == 0, err
     rows = json.loads((tmp_path / "p" / "probe.json").read_text())
     assert rows and "set_change" in out
+
+
+def test_report_writes_next_to_the_runs_by_default_never_into_results(finished_run, tmp_path, monkeypatch):
+    import shutil
+
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli("report", "run")
+    assert code == 0, err
+    assert (run / "report" / "README.md").is_file() and not (tmp_path / "results").exists()
+    assert "run/report/README.md" in out
