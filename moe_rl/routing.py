@@ -25,6 +25,7 @@ import torch
 
 from moe_rl.errors import ConfigError, RoutingError
 from moe_rl.model.cpu_topk import topk_indices
+from moe_rl.model.moe import Router
 
 
 @dataclass
@@ -306,8 +307,9 @@ def check_overrides(options: ReplayConfig, trace: RoutingTrace, sites: list) -> 
     if options.gate_weights and trace.weights_LBSK.shape != trace.ids_LBSK.shape:
         raise RoutingError(f"the trace's gate weights {tuple(trace.weights_LBSK.shape)} do not match its ids "
                            f"{tuple(trace.ids_LBSK.shape)}")
-    if options.margin_threshold is not None and not all(hasattr(site, "router") for site in sites):
-        raise RoutingError("replay.margin_threshold needs the native model's routers (it recomputes gate weights)")
+    if not all(isinstance(getattr(site, "router", None), Router) for site in sites):
+        raise RoutingError("replay.gate_weights and replay.margin_threshold need the native model's routers (they "
+                           "rerun the router or overwrite its output; a Hugging Face router is not ours)")
 
 
 def topk_margin_T(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
