@@ -101,7 +101,11 @@ class LogConfig:
     eval_every: int = 0
     """Evaluate mean reward on the held-out split every n-th rollout step (and at the end); 0 disables."""
     eval_prompts: int = 64
-    """Held-out prompts per evaluation (one sampled completion each, at the training temperature)."""
+    """Held-out prompts per evaluation (sampled at the training temperature, and greedily)."""
+    eval_samples: int = 1
+    """Sampled completions per held-out prompt for eval/reward; its SE counts prompts, not samples."""
+    eval_greedy: bool = True
+    """Also log greedy (argmax) accuracy on the same prompts, eval/greedy (one more decode per evaluation)."""
     trackers: tuple[TrackerName, ...] = ()
     """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -110,6 +114,7 @@ class LogConfig:
         for name in ("samples_every", "samples_per_step", "eval_every"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("eval_prompts", self.eval_prompts)
+        check_positive("eval_samples", self.eval_samples)
         for tracker in self.trackers:
             check_choice("trackers", tracker, ("tensorboard", "wandb"))
 

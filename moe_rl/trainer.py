@@ -41,7 +41,8 @@ from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.policy import PolicyOutput, policy_forward
 from moe_rl.probes import NativeRouting, Prober, probes_whole_batch
-from moe_rl.rollout import RolloutBatch, generate_groups, sampled_reward, to_rollout_batch
+from moe_rl.evaluation import heldout_metrics
+from moe_rl.rollout import RolloutBatch, generate_groups, to_rollout_batch
 from moe_rl.routing import RoutingTrace
 from moe_rl.runs.checkpoint import (
     TRAINING_STATE_KEYS,
@@ -498,10 +499,12 @@ class Trainer:
         write_table(self.out_dir, "samples", self.step, rows)
 
     def evaluate(self) -> dict:
-        """Mean reward of one sampled completion per held-out prompt (fixed generator: comparable over steps)."""
+        """Held-out accuracy, sampled (`log.eval_samples` per prompt) and greedy, with SEs (moe_rl.evaluation; fixed
+        generator: comparable over steps)."""
+        log = self.cfg.log
         with distributed.full_parameters(self.model):
-            return {"eval/reward": sampled_reward(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
-                                                  self.cfg.log.eval_prompts, self.cfg.seed)}
+            return heldout_metrics(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
+                                   log.eval_prompts, log.eval_samples, log.eval_greedy, self.cfg.seed)
 
 
 def k3(ref_logp_BN, logp_BN, mask_BN) -> torch.Tensor:

@@ -21,8 +21,9 @@ FLOORS = [
     ("model and routing", ("moe_rl.model", "moe_rl.routing", "moe_rl.traces", "moe_rl.router_margin")),
     ("the RL step", ("moe_rl.tasks", "moe_rl.objectives", "moe_rl.advantages", "moe_rl.signals", "moe_rl.rollout",
                      "moe_rl.policy", "moe_rl.probes", "moe_rl.config", "moe_rl.build", "moe_rl.trainer",
-                     "moe_rl.train", "moe_rl.sft", "moe_rl.correction")),
-    ("commands and experiments", ("moe_rl.cli", "moe_rl.probe", "moe_rl.sweep", "experiments", "analysis")),
+                     "moe_rl.train", "moe_rl.sft", "moe_rl.correction", "moe_rl.evaluation")),
+    ("commands and experiments", ("moe_rl.cli", "moe_rl.probe", "moe_rl.evaluate", "moe_rl.sweep", "experiments",
+                                  "analysis")),
 ]
 
 

@@ -1,8 +1,16 @@
 """The task interface: a deterministic stream of problems per split, a verifier, and a reference solution.
 
 A trainer's data position is a plain integer: `task.problem("train", i)` is the same problem on every machine and
-after every restart, so resuming from a checkpoint is exact. The "train" and "eval" splits never share a prompt
-for reasoning-gym tasks (see gym.py); for files they are disjoint sets of rows (see files.py).
+after every restart, so resuming from a checkpoint is exact. Three splits:
+
+    train        what RL and SFT read
+    eval         the held-out split every reported accuracy is measured on
+    validation   for choosing settings (the sampling temperature of `moe-rl evaluate`), so held-out stays unbiased
+
+The "train" and "eval" splits never share a prompt for reasoning-gym tasks (see gym.py); for files they are
+disjoint sets of rows (see files.py). "validation" was added later without changing the other two: its prompts
+hash into the eval part of the prompt space (never trained on) and exclude the first HELD_OUT_RESERVE held-out
+prompts (gym.py); file tasks have no validation split.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from dataclasses import dataclass, field
 
 from moe_rl.errors import check_choice
 
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval", "validation")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ match.
 Splits: with `eval_path`, train is every row of `path` and eval every row of `eval_path`. Without it, a permutation
 seeded by `seed` holds out round(eval_fraction * rows) rows of `path` (at least 1, leaving at least 1) for eval.
 Index i of eval is eval row i mod n_eval, in file order; index i of train is position i mod n_train of epoch
-i // n_train, each epoch in its own seeded order. A data position is one integer, so resume is exact.
+i // n_train, each epoch in its own seeded order. A data position is one integer, so resume is exact. There is no
+validation split (every row is already train or eval): asking for one raises ConfigError.
 
 Errors are DataErrors naming the file and, for one record, its line (JSONL, 1-based, blank lines counted) or row
 (Parquet, 1-based): a missing file, an unknown suffix, a line that is not UTF-8, not JSON or not a JSON object, a
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.errors import DataError, check_choice
+from moe_rl.errors import ConfigError, DataError, check_choice
 from moe_rl.tasks.answer import MATCHERS, parse_number
 from moe_rl.tasks.base import Problem, Task, check_split_index
 from moe_rl.tasks.tokenizer import CharTokenizer, Tokenizer
@@ -198,13 +199,18 @@ class FileTask(Task):
 
     def num_problems(self, split: str) -> int:
         """Rows in `split`; indices beyond wrap around (train in a new order each epoch)."""
+        return len(self._rows(split))
+
+    def _rows(self, split: str) -> list[Problem]:
         check_split_index(split, 0)
-        return len(self._splits[split])
+        if split not in self._splits:
+            raise ConfigError(f"{self.name}: a file task has train and eval splits only, no {split} split")
+        return self._splits[split]
 
     def problem(self, split: str, index: int) -> Problem:
         """Row index mod n of `split`; for train, in the seeded order of epoch index // n."""
         check_split_index(split, index)
-        rows = self._splits[split]
+        rows = self._rows(split)
         epoch, position = divmod(index, len(rows))
         if split == "train":
             position = self._order(epoch)[position]

@@ -18,27 +18,55 @@ seeds alone would not keep eval prompts out of training, because small settings 
 1 digit: 200 prompts). So a prompt belongs to eval iff a hash of its text falls below `eval_fraction`, and item i of
 a split is the first of the generator items i*1024 .. i*1024+1023 whose prompt belongs to that split. The two splits
 therefore never share a prompt, and the eval split is the same set of prompts for every seed.
+
+The validation split (added later, leaving train and eval as they were) draws from a third seed block, far from
+every seed's train and eval blocks; item i is the first item of its window whose prompt hashes into eval and is not
+the prompt of one of the first HELD_OUT_RESERVE eval items. So validation never shares a prompt with train, nor with
+any held-out evaluation of up to HELD_OUT_RESERVE prompts (`moe-rl evaluate` refuses more). A prompt space whose eval
+part those held-out items exhaust (2-3 one-digit terms: about 420 eval prompts) has no validation split: asking for
+one raises ConfigError.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from moe_rl.errors import ConfigError, check_choice
 from moe_rl.tasks.answer import numeric_reward
-from moe_rl.tasks.base import SPLITS, Problem, Task, check_split_index
+from moe_rl.tasks.base import Problem, Task, check_split_index
 from moe_rl.tasks.expr import countdown_reward
 
 GYM_TASKS = ("basic_arithmetic", "chain_sum", "countdown")
 TRIES = 1024  # generator items tried per problem; P(no eval prompt among them) = (1 - eval_fraction) ** 1024
 _BLOCK = 2**41  # seeds per split block; item j uses Random(block + j), j < _BLOCK
+_VALIDATION_BLOCKS = 2**62  # validation's block is seed * _BLOCK above this: no seed below 2**20 uses it for train/eval
+HELD_OUT_RESERVE = 2048  # validation excludes the prompts of eval items 0 .. HELD_OUT_RESERVE - 1
 
 
 def in_eval(prompt: str, eval_fraction: float) -> bool:
     """True if `prompt` is held out for eval: a stable hash of the text, read as a number in [0, 1), < fraction."""
     digest = hashlib.blake2b(prompt.encode(), digest_size=8, person=b"moe-rl-split").digest()
     return int.from_bytes(digest, "big") / 2**64 < eval_fraction
+
+
+def in_split(split: str, prompt: str, eval_fraction: float, held_out: Callable[[], frozenset[str]]) -> bool:
+    """Whether `prompt` belongs to `split`: train and eval by the hash (in_eval); validation by the hash and by not
+    being one of the held-out prompts `held_out()` returns (called only for a validation candidate)."""
+    if split == "train":
+        return not in_eval(prompt, eval_fraction)
+    if not in_eval(prompt, eval_fraction):
+        return False
+    return split == "eval" or prompt not in held_out()
+
+
+def too_small(split: str, eval_fraction: float) -> str:
+    """Why a split found no prompt, and what to change."""
+    if split == "validation":
+        return (f"the eval part of the prompt space (eval_fraction={eval_fraction}) holds little beyond the first "
+                f"{HELD_OUT_RESERVE} held-out prompts, which validation excludes (widen the difficulty range)")
+    return f"the prompt space is too small for eval_fraction={eval_fraction} (widen the difficulty range or change it)"
 
 
 def compact(text: str) -> str:
@@ -82,7 +110,10 @@ class GymTask(Task):
         self.name = name
         self.eval_fraction = eval_fraction
         self._format = _FORMATS[name]
-        self._datasets = {s: _create_dataset(name, options, (2 * seed + k) * _BLOCK) for k, s in enumerate(SPLITS)}
+        self._options, self._seed = options, seed
+        self._datasets = {s: _create_dataset(name, options, (2 * seed + k) * _BLOCK)
+                          for k, s in enumerate(("train", "eval"))}
+        self._held_out: frozenset[str] | None = None
 
     def problem(self, split: str, index: int) -> Problem:
         """Item `index` of `split`: the first generator item of its window whose prompt belongs to `split`."""
@@ -92,15 +123,22 @@ class GymTask(Task):
         for attempt in range(TRIES):
             item = index * TRIES + attempt
             problem = self._candidate(split, item)
-            if problem is not None and in_eval(problem.prompt, self.eval_fraction) == (split == "eval"):
+            if problem is not None and in_split(split, problem.prompt, self.eval_fraction, self.held_out_prompts):
                 return Problem(problem.prompt, problem.answer, {"split": split, "index": index, **problem.meta})
-        raise ConfigError(
-            f"{self.name}: no {split} prompt among {TRIES} generated items; the prompt space is too small for "
-            f"eval_fraction={self.eval_fraction} (widen the difficulty range or change eval_fraction)"
-        )
+        raise ConfigError(f"{self.name}: no {split} prompt among {TRIES} generated items; "
+                          f"{too_small(split, self.eval_fraction)}")
+
+    def held_out_prompts(self) -> frozenset[str]:
+        """The prompts of eval items 0 .. HELD_OUT_RESERVE - 1, which validation excludes (made once, ~1 s)."""
+        if self._held_out is None:
+            self._held_out = frozenset(p.prompt for p in self.problems("eval", 0, HELD_OUT_RESERVE))
+        return self._held_out
 
     def _candidate(self, split: str, item: int) -> Problem | None:
         """Generator item `item` of `split` as a Problem, or None if reasoning-gym could not build it."""
+        if split not in self._datasets:  # validation: its dataset is made on first use
+            self._datasets[split] = _create_dataset(self.name, self._options,
+                                                    _VALIDATION_BLOCKS + self._seed * _BLOCK)
         try:
             entry = self._datasets[split][item]
         except ValueError:  # countdown gives up when no expression hits the target range

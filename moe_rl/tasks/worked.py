@@ -17,7 +17,8 @@ Reward (1.0 or 0.0; text is parsed with a regular expression, never executed):
     prompt's operation (right running value, operator and term) with correct arithmetic.
 
 Splits: item i of a split is the first of attempts i*1024 .. i*1024+1023 (each drawn from its own seeded Random) whose
-prompt hashes into that split (gym.in_eval), so train and eval never share a prompt, as for the gym tasks.
+prompt hashes into that split (gym.in_split), so train and eval never share a prompt, as for the gym tasks; validation
+draws its own attempts and keeps eval-hashed prompts outside the first HELD_OUT_RESERVE held-out ones (gym.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import re
 
 from moe_rl.errors import ConfigError
 from moe_rl.tasks.base import Problem, Task, check_split_index
-from moe_rl.tasks.gym import TRIES, in_eval
+from moe_rl.tasks.gym import HELD_OUT_RESERVE, TRIES, in_split, too_small
 
 WORKED_TASKS = ("running_sum",)
 MAX_CHARS = 512  # a completion longer than this is malformed without being parsed (bounds the cost on junk)
@@ -82,6 +83,7 @@ class RunningSumTask(Task):
             raise ConfigError(f"demo_slip_rate={demo_slip_rate} must be in [0, 1)")
         self.seed, self.eval_fraction, self.check_steps = seed, eval_fraction, check_steps
         self.demo_slip_rate = demo_slip_rate
+        self._held_out: frozenset[str] | None = None
 
     def _draw(self, split: str, item: int) -> tuple[list[int], list[str]]:
         """Generator item `item` of `split`: a pure function of (seed, split, item)."""
@@ -98,12 +100,17 @@ class RunningSumTask(Task):
         for attempt in range(TRIES):
             terms, ops = self._draw(split, index * TRIES + attempt)
             prompt = str(terms[0]) + "".join(f"{op}{t}" for op, t in zip(ops, terms[1:])) + "="
-            if in_eval(prompt, self.eval_fraction) == (split == "eval"):
+            if in_split(split, prompt, self.eval_fraction, self.held_out_prompts):
                 solution, answer = worked_solution(terms, ops)
                 meta = {"split": split, "index": index, "terms": terms, "ops": ops, "solution": solution}
                 return Problem(prompt, str(answer), meta)
-        raise ConfigError(f"running_sum: no {split} prompt among {TRIES} draws; widen terms/digits or change "
-                          f"eval_fraction={self.eval_fraction}")
+        raise ConfigError(f"running_sum: no {split} prompt among {TRIES} draws; {too_small(split, self.eval_fraction)}")
+
+    def held_out_prompts(self) -> frozenset[str]:
+        """The prompts of eval items 0 .. HELD_OUT_RESERVE - 1, which validation excludes (made once, ~1 s)."""
+        if self._held_out is None:
+            self._held_out = frozenset(p.prompt for p in self.problems("eval", 0, HELD_OUT_RESERVE))
+        return self._held_out
 
     def solution(self, problem: Problem) -> str:
         """The SFT demonstration: the reference chain, or with demo_slip_rate > 0 a noisy demonstrator's chain (its
