@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.errors import ConfigError, RoutingError
-from moe_rl.model.cpu_topk import topk_indices
-from moe_rl.model.moe import Router
+from moe_rl.model.moe import Router, topk_indices
 
 
 @dataclass

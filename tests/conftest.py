@@ -71,3 +71,39 @@ def metric_lines(run_dir, minibatch=None):
 
     lines = read_metrics(run_dir)
     return [line for line in lines if minibatch is None or line.get("minibatch") == minibatch]
+
+
+@pytest.fixture
+def kernels_on():
+    """Every kernel family on, whatever this machine's measurement chose: for the tests of the kernels themselves
+    (a family the measurement turned off here must still give its reference's numbers on the machines where it
+    runs)."""
+    from moe_rl import kernels
+
+    with kernels.forced(**{family: True for family in kernels.FAMILIES}):
+        yield
+
+
+def switch_kernels_off(monkeypatch) -> None:
+    """Every kernel family off for the rest of the test: the torch reference everywhere, as on a machine without
+    a C compiler."""
+    from moe_rl.kernels import selection
+
+    monkeypatch.setattr(selection, "_forced", {**selection._forced, **{f: False for f in selection.FAMILIES}})
+
+
+def spy_kernel(monkeypatch, op: str) -> list:
+    """A list that gets one entry per call the fast implementation of `op` served (moe_rl.model.replaceable)."""
+    import moe_rl.kernels  # noqa: F401  (registers the implementations)
+    from moe_rl.model import replaceable
+
+    fast, served = replaceable._FAST[op], []
+
+    def counted(*args, **kwargs):
+        out = fast(*args, **kwargs)
+        if out is not NotImplemented:
+            served.append(1)
+        return out
+
+    monkeypatch.setitem(replaceable._FAST, op, counted)
+    return served

@@ -1,19 +1,19 @@
-"""The MKL batch path of the experts' grouped matmul: the same numbers and gradients as torch._grouped_mm."""
+"""The MKL batch path of the experts' grouped matmul: the same numbers and gradients as torch._grouped_mm.
+
+Every test here runs the kernels whatever this machine's measurement chose (kernels_on, conftest.py)."""
 
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
 
+from moe_rl import kernels
+from moe_rl.kernels import grouped_gemm
+from moe_rl.kernels.grouped_gemm import MKL_MIN_EXPERTS_WITH_GRAD, exact_min_block_rows, mkl_available, mkl_grouped_mm
 from moe_rl.model import MoETransformer
-from moe_rl.model.grouped_gemm import (
-    MKL_MIN_EXPERTS_WITH_GRAD,
-    exact_min_block_rows,
-    grouped_mm,
-    mkl_available,
-    mkl_grouped_mm,
-)
+from moe_rl.model.moe import grouped_mm
 
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
+pytestmark = pytest.mark.usefixtures("kernels_on")
 
 
 def _sorted_rows(counts_E: torch.Tensor, d_in: int, d_out: int):
@@ -76,8 +76,6 @@ def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(n_ex
     """At MKL_MIN_EXPERTS_WITH_GRAD experts both the no-grad pass (sampling, old pass, probes) and the training forward
     and backward take the batch calls (below it, the no-grad pass only); logits and gradients must be exactly those of
     torch._grouped_mm, and the logits close to the loop reference."""
-    from moe_rl.model import grouped_gemm
-
     overrides = dict(n_experts=n_experts, top_k=top_k, dispatch="grouped_mm")
     model = tiny_model(**overrides)
     loop = MoETransformer(tiny_config(**{**overrides, "dispatch": "loop"}))
@@ -93,8 +91,8 @@ def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(n_ex
         return [logits_no_grad, out.logits_BSV.detach()] + [p.grad for p in model.parameters()]
 
     ours = passes()
-    monkeypatch.setattr(grouped_gemm, "_serves", lambda x, w: False)  # torch._grouped_mm everywhere
-    torchs = passes()
+    with kernels.forced(mkl_products=False):  # torch._grouped_mm everywhere
+        torchs = passes()
     assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
     with torch.no_grad():
         torch.testing.assert_close(ours[0], loop(ids).logits_BSV, rtol=1e-5, atol=1e-5)
@@ -122,7 +120,8 @@ def test_padded_kernel_in_short_blocks_gives_the_numbers_of_full_blocks(tokens, 
         counts_E = torch.bincount(ids_TK.reshape(-1), minlength=128)
         capacity = int(counts_E.max())
         min_rows = max(exact_min_block_rows(32, 32, capacity), exact_min_block_rows(16, 32, capacity))
-        assert (experts._short_blocks(x_TD, counts_E, capacity, torch.float32) is not None) == (min_rows < capacity)
+        short_blocks = grouped_gemm.short_block_rows(counts_E, capacity, 32, 16, torch.float32)
+        assert (short_blocks is not NotImplemented) == (min_rows < capacity)
         short = experts(x_TD, weights_TK, ids_TK)
     full = experts(x_TD, weights_TK, ids_TK)  # with autograd: torch.bmm over (E, C, D) blocks
     assert torch.equal(short, full.detach())
@@ -149,7 +148,6 @@ def test_strided_operands_are_refused():
 def test_weight_gradient_of_an_idle_expert_is_written_as_zeros(d_in, d_out):
     """The weight gradient starts as uninitialised memory: the batch call (k = 0, beta = 0) and the C loop (a zero
     accumulator) must overwrite an idle expert's block rather than leave whatever was there."""
-    from moe_rl.model import grouped_gemm
 
     counts_E = torch.zeros(MKL_MIN_EXPERTS_WITH_GRAD, dtype=torch.long)
     counts_E[3] = 5
@@ -177,7 +175,7 @@ needs_avx512 = pytest.mark.skipif(not mkl_available() or torch.backends.cpu.get_
 def test_c_loop_takes_the_paper_widths_with_the_measured_plans():
     """At d_model 64 and expert width 32 (the bench and study models) every product has a plan, with the group
     sizes the module's comments give: forward 1-1,024 (fused from 4 rows), input grad from 4, weight grad up to 192."""
-    from moe_rl.model.grouped_gemm import _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, ExactPlan, exact_plan
+    from moe_rl.kernels.grouped_gemm import _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, ExactPlan, exact_plan
 
     for d_in, d_out in [(64, 64), (32, 64)]:
         assert exact_plan(_FORWARD, d_in, d_out) == ExactPlan(1, 1024, 4)
@@ -192,7 +190,6 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
     """Group sizes on both sides of every plan's edges (1-3 rows, 4, 192 and 193, 1,024 and beyond) in one call, so
     each product splits its experts between the C loop and MKL; values and gradients must be torch's, and the C loop
     must have run and left some experts to MKL."""
-    from moe_rl.model import grouped_gemm
 
     left_to_mkl = []
     real = grouped_gemm._exact_products
@@ -212,7 +209,6 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
 @needs_avx512
 @pytest.mark.parametrize("start", [(1, 1), (1, 100)])  # fused from 1 row (MKL rounds 1-3 rows unfused); from 100
 def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
-    from moe_rl.model import grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "_PLAN_START", {**grouped_gemm._PLAN_START, grouped_gemm._FORWARD: start})
     grouped_gemm.exact_plan.cache_clear()
@@ -224,8 +220,7 @@ def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
 
 @needs_avx512
 def test_c_loop_refuses_widths_it_cannot_vectorise_and_counts_that_do_not_add_up():
-    from moe_rl.model import grouped_gemm
-    from moe_rl.model.grouped_gemm import ExactPlan
+    from moe_rl.kernels.grouped_gemm import ExactPlan
 
     plan = ExactPlan(1, 1024, 4)
     counts_E = torch.tensor([3, 5])

@@ -19,6 +19,7 @@ PACKAGES = ("moe_rl", "experiments", "analysis")
 FLOORS = [
     ("base", ("moe_rl", "moe_rl.errors", "moe_rl.masked", "moe_rl.distributed", "moe_rl.runs")),
     ("model and routing", ("moe_rl.model", "moe_rl.routing", "moe_rl.traces", "moe_rl.router_margin")),
+    ("kernels", ("moe_rl.kernels",)),
     ("the RL step", ("moe_rl.tasks", "moe_rl.objectives", "moe_rl.advantages", "moe_rl.signals", "moe_rl.rollout",
                      "moe_rl.policy", "moe_rl.probes", "moe_rl.config", "moe_rl.build", "moe_rl.trainer",
                      "moe_rl.train", "moe_rl.sft", "moe_rl.correction", "moe_rl.evaluation")),

@@ -1,9 +1,11 @@
 """The native MoE transformer: config validation, dispatch paths, padding, auxiliary losses."""
 
+import numerics
 import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from moe_rl.routing import record_routing, replay_routing
 from moe_rl.errors import ConfigError
 from moe_rl.model import MoETransformer
 from moe_rl.model.layers import attention_mask, decode_mask, last_positions, positions_from_mask
@@ -31,56 +33,78 @@ def test_bad_dispatch_lists_choices():
         tiny_config(dispatch="fast")
 
 
-def assert_close_to_scale(actual, expected, rel=1e-5, msg=""):
-    """Equal up to fp32 rounding relative to the tensor's own scale (elementwise rtol fails on near-zeros)."""
-    scale = expected.abs().max().item() + 1e-12
-    assert (actual - expected).abs().max().item() <= rel * scale, msg
-
-
 def _forward_backward(model, ids, valid):
     out = model(ids, valid)
     # A non-uniform upstream gradient so every parameter's gradient is exercised.
-    weights = torch.linspace(-1, 1, out.logits_BSV.numel()).view_as(out.logits_BSV)
+    weights = torch.linspace(-1, 1, out.logits_BSV.numel(), dtype=out.logits_BSV.dtype).view_as(out.logits_BSV)
     ((out.logits_BSV * weights).sum() + out.aux_loss).backward()
     return out.logits_BSV.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-# Every fast path against the loop reference, at a few-experts and a many-experts shape; "grouped" picks one of the
-# other two per call (test_grouped_dispatch_picks_the_kernel_by_shape).
-FAST_DISPATCH = ["grouped", "grouped_mm", "padded"]
+def _float64_references(model, ids, valid):
+    """Logits and gradients of `model` in float64, and of a copy perturbed by one fp32 rounding (tests/numerics.py),
+    both routed as the fp32 model routes (replayed), so that a near-tie cannot send float64 to another expert."""
+    with record_routing(model) as recorder, torch.no_grad():
+        model(ids, valid)
+    trace = recorder.trace()
+    model64 = numerics.float64_copy(model)
+    with replay_routing(model64, trace):
+        reference = _forward_backward(model64, ids, valid)
+    perturbed64 = numerics.perturbed_copy(model64)
+    with replay_routing(perturbed64, trace), numerics.perturbed_rounding():
+        perturbed = _forward_backward(perturbed64, ids, valid)
+    return reference, perturbed
+
+
+def _assert_within_rounding_of_float64(fast_path, ids, valid):
+    """Logits and every gradient of `fast_path` within the fp32 bound of the float64 reference."""
+    (logits64, grads64), (logits_perturbed, grads_perturbed) = _float64_references(fast_path, ids, valid)
+    logits, grads = _forward_backward(fast_path, ids, valid)
+    numerics.assert_within_rounding(logits, logits64, logits_perturbed, "logits")
+    for name, grad in grads.items():
+        numerics.assert_within_rounding(grad, grads64[name], grads_perturbed[name], name)
+    return grads
+
+
+# Every fast path against the float64 reference, at a few-experts and a many-experts shape; "grouped" picks one of
+# the other two per call (test_grouped_dispatch_picks_the_kernel_by_shape). The fp32 loop reference must pass the
+# same bound (else the bound, not the fast paths, would be what is tested).
+DISPATCH = ["grouped", "grouped_mm", "padded", "loop"]
 SHAPE_CLASSES = {"few_experts": dict(n_experts=6, top_k=2), "many_experts": dict(n_experts=32, top_k=8)}
 
 
-@pytest.mark.parametrize("dispatch", FAST_DISPATCH)
+@pytest.mark.numerics
+@pytest.mark.parametrize("dispatch", DISPATCH)
 @pytest.mark.parametrize("shape", list(SHAPE_CLASSES))
 @pytest.mark.parametrize("d_shared_expert", [0, 16])
-def test_grouped_and_loop_dispatch_agree(dispatch, shape, d_shared_expert):
-    grouped = tiny_model(dispatch=dispatch, d_shared_expert=d_shared_expert, **SHAPE_CLASSES[shape])
-    loop = MoETransformer(tiny_config(dispatch="loop", d_shared_expert=d_shared_expert, **SHAPE_CLASSES[shape]))
-    loop.load_state_dict(grouped.state_dict())
+def test_every_dispatch_path_is_within_fp32_rounding_of_float64(dispatch, shape, d_shared_expert):
+    model = tiny_model(dispatch=dispatch, d_shared_expert=d_shared_expert, **SHAPE_CLASSES[shape])
     ids = torch.randint(0, 40, (3, 11))
-    valid = torch.ones(3, 11, dtype=torch.bool)
-    logits_g, grads_g = _forward_backward(grouped, ids, valid)
-    logits_l, grads_l = _forward_backward(loop, ids, valid)
-    torch.testing.assert_close(logits_g, logits_l, rtol=1e-5, atol=1e-5)
-    for name, grad in grads_g.items():
-        assert_close_to_scale(grad, grads_l[name], msg=name)
+    _assert_within_rounding_of_float64(model, ids, torch.ones(3, 11, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("dispatch", FAST_DISPATCH)
-def test_dispatch_paths_agree_when_experts_get_no_tokens(dispatch):
-    grouped = tiny_model(n_experts=8, top_k=1, dispatch=dispatch)
-    loop = MoETransformer(tiny_config(n_experts=8, top_k=1, dispatch="loop"))
-    loop.load_state_dict(grouped.state_dict())
+@pytest.mark.numerics
+@pytest.mark.parametrize("dispatch", DISPATCH)
+def test_dispatch_paths_are_within_rounding_when_experts_get_no_tokens(dispatch):
+    model = tiny_model(n_experts=8, top_k=1, dispatch=dispatch)
     ids, valid = torch.randint(0, 40, (1, 3)), torch.ones(1, 3, dtype=torch.bool)  # 3 tokens, 8 experts
-    logits_g, grads_g = _forward_backward(grouped, ids, valid)
-    logits_l, grads_l = _forward_backward(loop, ids, valid)
-    torch.testing.assert_close(logits_g, logits_l, rtol=1e-5, atol=1e-5)
+    grads = _assert_within_rounding_of_float64(model, ids, valid)
     w_down = "blocks.0.ffn.experts.w_down"
-    idle_experts = (grads_g[w_down].abs().sum(dim=(1, 2)) == 0).sum()
+    idle_experts = (grads[w_down].abs().sum(dim=(1, 2)) == 0).sum()
     assert idle_experts >= 5, "with 3 tokens and top-1, at least 5 of 8 experts must be idle"
-    for name, grad in grads_g.items():
-        assert_close_to_scale(grad, grads_l[name], msg=name)
+
+
+def test_the_float64_bound_catches_a_wrong_gradient():
+    """The bound is tight enough to see a real error: one token's expert output scaled by 1.001."""
+    model = tiny_model(n_experts=8, top_k=2, dispatch="grouped_mm")
+    ids, valid = torch.randint(0, 40, (2, 7)), torch.ones(2, 7, dtype=torch.bool)
+    (logits64, _), (logits_perturbed, _) = _float64_references(model, ids, valid)
+    logits, _ = _forward_backward(model, ids, valid)
+    wrong = logits.clone()
+    wrong[0, 3] += 1e-3 * logits[0, 3].abs().max()
+    numerics.assert_within_rounding(logits, logits64, logits_perturbed)
+    with pytest.raises(AssertionError, match="beyond the fp32 bound"):
+        numerics.assert_within_rounding(wrong, logits64, logits_perturbed)
 
 
 def test_auxiliary_losses_mask_padding_like_dropping_it():

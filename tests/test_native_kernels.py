@@ -1,22 +1,24 @@
-"""The C kernels of the routing hot path (moe_rl/model/native.py): the router's top-k gives torch.topk's indices on
+"""The C kernels of the routing hot path (moe_rl/kernels/): the router's top-k gives torch.topk's indices on
 every row (including the rows it hands back to torch.topk), the slot sort gives torch's stable argsort, the expert rows,
 their sums and the rotary embedding give the torch code's numbers with and without autograd, and the library is built
 once per machine. The fp32 sampler's decode attention agrees with torch's to fp32 rounding, and the bf16 sampler never
-uses it. The MKL set-up kernel is checked in test_grouped_gemm.py."""
+uses it. The MKL set-up kernel is checked in test_grouped_gemm.py. Every test runs the kernels whatever this
+machine's measurement chose (kernels_on, conftest.py)."""
 
 import ctypes
 import subprocess
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import spy_kernel, switch_kernels_off, tiny_config, tiny_model
 
-from moe_rl.model import cpu_topk, grouped_gemm, layers, moe, native
-from moe_rl.model.cpu_topk import topk_indices
-from moe_rl.model.moe import sort_slots
+from moe_rl.kernels import attention, native, sampler
+from moe_rl.model import layers, moe
+from moe_rl.model.moe import sort_slots, topk_indices
 from moe_rl.rollout import SamplingConfig, generate
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
+pytestmark = pytest.mark.usefixtures("kernels_on")
 
 
 def _kernel_unclear_rows(scores_TE: torch.Tensor, k: int) -> list[int]:
@@ -152,7 +154,7 @@ def test_expert_rows_and_their_sum_equal_the_torch_code(padding, monkeypatch):
         native_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
         y_RD = torch.randn(native_rows.x_RD.shape[0], 24)
         native_sum = moe.combine_rows(y_RD, native_rows.token_R, 50)
-        monkeypatch.setattr(moe, "native_library", lambda: None)
+        switch_kernels_off(monkeypatch)
         torch_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
         torch_sum = moe.combine_rows(y_RD, torch_rows.token_R, 50)
     for name, ours, torchs in zip(moe.ExpertRows._fields, native_rows, torch_rows):
@@ -194,7 +196,7 @@ def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, m
         return out_TD.detach(), x.grad
 
     native_out, native_grad = forward_backward()
-    monkeypatch.setattr(moe, "native_library", lambda: None)
+    switch_kernels_off(monkeypatch)
     torch_out, torch_grad = forward_backward()
     assert torch.equal(native_out, torch_out)
     assert torch.equal(native_grad, torch_grad)
@@ -221,7 +223,7 @@ def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monk
         return out.detach(), no_grad_out, leaf.grad
 
     native_results = rotate()
-    monkeypatch.setattr(layers, "native_library", lambda: None)
+    switch_kernels_off(monkeypatch)
     torch_results = rotate()
     for ours, torchs in zip(native_results, torch_results):
         assert torch.equal(ours, torchs)
@@ -250,8 +252,7 @@ def test_models_give_the_same_numbers_without_the_c_kernels(n_experts, top_k, di
         return [logits, gen.tokens_BS, gen.logprobs_BN, gen.routing.ids_LBSK] + [p.grad for p in model.parameters()]
 
     with_kernels = passes()
-    for module in (moe, cpu_topk, grouped_gemm, layers):
-        monkeypatch.setattr(module, "native_library", lambda: None)
+    switch_kernels_off(monkeypatch)
     without_kernels = passes()
     assert all(torch.equal(a, b) for a, b in zip(with_kernels, without_kernels))
 
@@ -293,8 +294,7 @@ def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, m
     row that sees one key: the kernel's output is as close to a float64 reference as torch's two-matmul path is."""
     q_BH1Dh, (k_BGPDh, v_BGPDh), (kt_BGPDh, vt_BGPDh), mask_B11P = _decode_inputs(B, H, G, Dh, P, max_len)
     mask_B11P = mask_B11P if masked else None
-    kernel, calls = layers._native_decode_attention, []
-    monkeypatch.setattr(layers, "_native_decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    calls = spy_kernel(monkeypatch, "decode_attention")
     with torch.inference_mode():
         ours = layers.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P)
         torchs = layers.decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
@@ -314,10 +314,8 @@ def test_only_the_fp32_sampler_uses_the_sampler_kernels(monkeypatch):
     ids_BS = torch.randint(3, 40, (6, 7))
     valid_BS = torch.ones_like(ids_BS, dtype=torch.bool)
     valid_BS[2, :3] = False
-    kernel, calls = layers._native_decode_attention, []
-    monkeypatch.setattr(layers, "_native_decode_attention", lambda *args: calls.append(1) or kernel(*args))
-    experts_kernel, expert_calls = moe._sampler_experts, []
-    monkeypatch.setattr(moe, "_sampler_experts", lambda *args: expert_calls.append(1) or experts_kernel(*args))
+    calls = spy_kernel(monkeypatch, "decode_attention")
+    expert_calls = spy_kernel(monkeypatch, "routed_experts")
 
     def sample(precision: str):
         gen = generate(model, ids_BS, valid_BS, SamplingConfig(max_new_tokens=8, precision=precision), eos_id=2,
@@ -331,8 +329,7 @@ def test_only_the_fp32_sampler_uses_the_sampler_kernels(monkeypatch):
     expert_calls.clear()
     bf16 = sample("bf16")
     assert calls == [] and expert_calls == []
-    for module in (moe, cpu_topk, grouped_gemm, layers):
-        monkeypatch.setattr(module, "native_library", lambda: None)
+    switch_kernels_off(monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(bf16, sample("bf16")))
 
 
@@ -369,8 +366,7 @@ def test_sampler_experts_kernel_agrees_with_the_grouped_path_to_rounding(E, K, D
     """Decode- and prompt-sized calls, idle experts, groups of every size mod 4, one token: under inference mode the
     kernel serves, and its output is as close to a float64 reference as the grouped path's."""
     experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
-    kernel, calls = moe._sampler_experts, []
-    monkeypatch.setattr(moe, "_sampler_experts", lambda *args: calls.append(1) or kernel(*args))
+    calls = spy_kernel(monkeypatch, "routed_experts")
     with torch.inference_mode():
         ours = experts(x_TD, weights_TK, ids_TK)
     with torch.no_grad():  # the trainer's passes: the grouped path
@@ -387,13 +383,13 @@ def test_sampler_experts_kernel_serves_only_the_fp32_sampler_at_widths_of_16():
     experts, x_TD, _, _ = _experts_and_routing(8, 2, 64, 32, 10)
     params = list(experts.parameters())
     with torch.inference_mode():
-        assert moe._sampler_kernel_serves(x_TD, *params)
+        assert sampler.serves(x_TD, *params)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not moe._sampler_kernel_serves(x_TD, *params)
+            assert not sampler.serves(x_TD, *params)
         narrow, *_ = _experts_and_routing(8, 2, 64, 24, 10)
-        assert not moe._sampler_kernel_serves(x_TD, *narrow.parameters())
+        assert not sampler.serves(x_TD, *narrow.parameters())
     with torch.no_grad():
-        assert not moe._sampler_kernel_serves(x_TD, *params)
+        assert not sampler.serves(x_TD, *params)
 
 
 @needs_native
@@ -402,7 +398,7 @@ def test_sampler_experts_kernel_refuses_slots_outside_the_batch():
     slots = sort_slots(ids_TK, 8)
     outside = slots._replace(token_N=slots.token_N.clone().index_fill_(0, torch.tensor([3]), 10))
     with torch.inference_mode(), pytest.raises(ValueError, match="sampler experts kernel"):
-        moe._sampler_experts(x_TD, weights_TK, outside, experts.w_gate_up, experts.w_down)
+        sampler.sampler_experts(x_TD, weights_TK, outside, experts.w_gate_up, experts.w_down)
 
 
 @needs_native
@@ -420,10 +416,10 @@ def test_the_sampler_kernels_round_alike_in_the_widest_and_the_baseline_build(tm
 
     def both_kernels():
         with torch.inference_mode():
-            return (layers._native_decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P),
-                    moe._sampler_experts(x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
+            return (attention.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P),
+                    sampler.sampler_experts(x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
 
     widest = both_kernels()
-    for module in (layers, moe):
+    for module in (attention, sampler):
         monkeypatch.setattr(module, "native_library", lambda: baseline)
     assert all(torch.equal(a, b) for a, b in zip(widest, both_kernels()))

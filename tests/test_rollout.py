@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from moe_rl.errors import ConfigError
-from moe_rl.model import moe, native
+from moe_rl.kernels import native, sampler
 from moe_rl.rollout import SamplingConfig, generate, left_align, sample_next
 from moe_rl.routing import churn_stats, record_routing
 
@@ -29,7 +29,9 @@ def _generate(model, ids, valid, seed=1, **kw):
 
 # Head dim 8 and expert width 24: the sampler runs torch's decode attention and expert products; head dim 16 and
 # width 32: the C kernels (decode attention over a cache with transposed keys, the fused experts).
+# Both with every kernel family on, whatever this machine's measurement chose (kernels_on, conftest.py).
 DECODE_PATHS = pytest.mark.parametrize("head_dim", [8, 16], ids=["torch sampler", "C sampler kernels"])
+pytestmark = pytest.mark.usefixtures("kernels_on")
 
 
 def _model_for(head_dim: int):
@@ -38,7 +40,7 @@ def _model_for(head_dim: int):
     assert model.new_cache(1, 4).keys_transposed == kernels
     experts = model.moe_layers()[0].experts
     with torch.inference_mode():
-        assert moe._sampler_kernel_serves(torch.zeros(1, model.cfg.d_model), *experts.parameters()) == kernels
+        assert sampler.serves(torch.zeros(1, model.cfg.d_model), *experts.parameters()) == kernels
     return model
 
 

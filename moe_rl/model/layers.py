@@ -1,5 +1,7 @@
 """Dense building blocks: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention with a KV cache.
 
+Functions marked @replaceable are torch references a kernel may stand in for (moe_rl/kernels/attention.py).
+
 Shapes: B batch, S sequence (this call), P positions in the cache, H query heads, Hkv key/value heads,
 Dh head dim, D model dim.
 """
@@ -13,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_rl.model.replaceable import replaceable
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.native import library as native_library
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +26,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the casts below would be no-ops (this runs twice per layer per decode step)
+        if x.dtype in (torch.float32, torch.float64):  # no casts (this runs twice per layer per decode step)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).type_as(x)
 
@@ -46,49 +48,13 @@ class Rotary(nn.Module):
         return cos_BSDh, signed_sin_BSDh
 
 
+@replaceable("rotary")
 def apply_rotary(x_BSHDh: torch.Tensor, cos_BSDh: torch.Tensor, signed_sin_BSDh: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin over the heads of each token, with rotate_half(x) * sin = roll(x) *
-    signed_sin (signed_sin = [-sin, sin]). In fp32 on CPU one C pass (native_kernels.c, rotate_half), forward and
-    backward, makes the very products and sums of the three torch ops; else the torch ops. Returns (B, S, H, Dh),
-    contiguous."""
-    kernel = native_library() if _native_rotary_serves(x_BSHDh, cos_BSDh) else None
-    if kernel is not None:
-        cos_BSDh, signed_sin_BSDh = cos_BSDh.contiguous(), signed_sin_BSDh.contiguous()
-        if torch.is_grad_enabled() and x_BSHDh.requires_grad:
-            return _NativeRotary.apply(x_BSHDh, cos_BSDh, signed_sin_BSDh)
-        return _rotate(kernel, x_BSHDh, cos_BSDh, signed_sin_BSDh, backward=False)
-    x = x_BSHDh.float()
+    signed_sin (signed_sin = [-sin, sin]). Returns (B, S, H, Dh)."""
+    x = x_BSHDh if x_BSHDh.dtype == torch.float64 else x_BSHDh.float()  # float64: the tests' reference model
     rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
     return (x * cos_BSDh[:, :, None] + rolled * signed_sin_BSDh[:, :, None]).type_as(x_BSHDh)
-
-
-def _native_rotary_serves(x_BSHDh: torch.Tensor, cos_BSDh: torch.Tensor) -> bool:
-    return (x_BSHDh.device.type == "cpu" and x_BSHDh.dtype == torch.float32 and cos_BSDh.dtype == torch.float32
-            and x_BSHDh.shape[-1] % 2 == 0 and x_BSHDh.stride(-1) == 1 and x_BSHDh.stride(-2) == x_BSHDh.shape[-1]
-            and x_BSHDh.stride(0) == x_BSHDh.shape[1] * x_BSHDh.stride(1))
-
-
-def _rotate(kernel, x_BSHDh: torch.Tensor, cos_BSDh, signed_sin_BSDh, backward: bool) -> torch.Tensor:
-    B, S, H, Dh = x_BSHDh.shape
-    out_BSHDh = torch.empty(B, S, H, Dh, dtype=torch.float32)
-    if kernel.rotate_half(x_BSHDh.data_ptr(), B * S, x_BSHDh.stride(1), H, Dh, cos_BSDh.data_ptr(),
-                          signed_sin_BSDh.data_ptr(), int(backward), out_BSHDh.data_ptr()) != 0:
-        raise ValueError(f"the rotary embedding needs an even head dim; got {Dh}")
-    return out_BSHDh
-
-
-class _NativeRotary(torch.autograd.Function):
-    """The rotation with the C kernel both ways; its backward is torch's: g * cos + roll(g * signed_sin, -Dh/2)."""
-
-    @staticmethod
-    def forward(ctx, x_BSHDh, cos_BSDh, signed_sin_BSDh):
-        ctx.save_for_backward(cos_BSDh, signed_sin_BSDh)
-        return _rotate(native_library(), x_BSHDh, cos_BSDh, signed_sin_BSDh, backward=False)
-
-    @staticmethod
-    def backward(ctx, grad_BSHDh):
-        cos_BSDh, signed_sin_BSDh = ctx.saved_tensors
-        return _rotate(native_library(), grad_BSHDh.contiguous(), cos_BSDh, signed_sin_BSDh, backward=True), None, None
 
 
 class SwiGLU(nn.Module):
@@ -104,20 +70,21 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-# Positions per vector of the C decode attention (native_kernels.c): rows of transposed keys are padded to a multiple.
-DECODE_KERNEL_LANES = 16
+# With transposed keys, each key dimension's row of positions is padded to a multiple of this (the decode kernel,
+# moe_rl/kernels/attention.py, reads 16 positions as one vector).
+TRANSPOSED_KEY_ROW_MULTIPLE = 16
 
 
 def _padded_positions(positions: int) -> int:
-    return -(-positions // DECODE_KERNEL_LANES) * DECODE_KERNEL_LANES
+    return -(-positions // TRANSPOSED_KEY_ROW_MULTIPLE) * TRANSPOSED_KEY_ROW_MULTIPLE
 
 
 class KVCache:
     """Preallocated keys and values for every layer; `length` positions are filled.
 
-    With `keys_transposed` the keys are stored (L, B, Hkv, Dh, P), P padded to a multiple of 16, for the C decode
-    attention (decode_attention), which reads 16 positions of one key dimension as one vector. `append` returns keys
-    (B, Hkv, P, Dh) either way (then a transposed view)."""
+    With `keys_transposed` the keys are stored (L, B, Hkv, Dh, P), P padded to a multiple of 16, the layout a decode
+    kernel may want (`decode_keys_transposed`). `append` returns keys (B, Hkv, P, Dh) either way (then a transposed
+    view)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, keys_transposed: bool = False):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
@@ -147,12 +114,10 @@ class KVCache:
         self.length += n
 
 
-def decode_kernel_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the C decode attention serves a KV cache made now: fp32 on CPU outside autocast (the sampler in the
-    trainer's precision; the bf16 sampler runs under autocast), a head dim that is a multiple of 16, and the kernels
-    built. Decided when the cache is made (the sampler makes it inside its precision context)."""
-    return (device.type == "cpu" and dtype == torch.float32 and head_dim % DECODE_KERNEL_LANES == 0
-            and not torch.is_autocast_enabled("cpu") and native_library() is not None)
+@replaceable("decode_attention")
+def decode_keys_transposed(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a KV cache made now stores its keys transposed; the torch attention reads either layout."""
+    return False
 
 
 class Attention(nn.Module):
@@ -184,14 +149,11 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, S, -1))
 
 
+@replaceable("decode_attention")
 def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) -> torch.Tensor:
     """One query per row against the cache. Query head h reads key/value head h // (H / Hkv), as SDPA's enable_gqa
-    does. Keys from a cache with transposed keys (fp32 on CPU, decode_kernel_serves) go to the C kernel: one pass
-    per layer instead of five torch ops whose set-up dominates at a single query. Else two batched matmuls: on CPU
-    the fused SDPA kernel's setup costs more than this arithmetic for a single query (~25% of a decode step's
-    attention). Both equal SDPA up to fp32 rounding."""
-    if _native_decode_serves(q_BH1Dh, k_BGPDh, v_BGPDh):
-        return _native_decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
+    does. Two batched matmuls: on CPU the fused SDPA kernel's setup costs more than this arithmetic for a single
+    query (~25% of a decode step's attention). Equal to SDPA up to fp32 rounding."""
     B, H, _, Dh = q_BH1Dh.shape
     G = k_BGPDh.shape[1]
     q_BGhDh = q_BH1Dh.reshape(B, G, H // G, Dh)
@@ -199,32 +161,6 @@ def decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) 
     if mask_B11P is not None:  # masked_fill(~mask, -inf) in one op
         scores_BGhP = torch.where(mask_B11P, scores_BGhP, float("-inf"))
     return (scores_BGhP.softmax(dim=-1) @ v_BGPDh).view(B, H, 1, Dh)
-
-
-def _native_decode_serves(q_BH1Dh, k_BGPDh, v_BGPDh) -> bool:
-    """Keys stored transposed (positions contiguous, rows padded), fp32 on CPU without autocast or autograd."""
-    Dh, P = q_BH1Dh.shape[-1], k_BGPDh.shape[2]
-    keys_transposed = k_BGPDh.stride(-2) == 1 and k_BGPDh.stride(-1) >= _padded_positions(P)
-    values_by_position = v_BGPDh.stride(-1) == 1 and v_BGPDh.stride(-2) == Dh
-    fp32_on_cpu = q_BH1Dh.device.type == "cpu" and q_BH1Dh.dtype == k_BGPDh.dtype == v_BGPDh.dtype == torch.float32
-    return (keys_transposed and values_by_position and fp32_on_cpu and Dh % DECODE_KERNEL_LANES == 0
-            and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled() and native_library() is not None)
-
-
-def _native_decode_attention(q_BH1Dh, kt_BGPDh, v_BGPDh, mask_B11P: torch.Tensor | None) -> torch.Tensor:
-    B, H, _, Dh = q_BH1Dh.shape
-    G, P = kt_BGPDh.shape[1], kt_BGPDh.shape[2]
-    q_BHDh = q_BH1Dh.reshape(B, H, Dh).contiguous()
-    mask_BP = mask_B11P.reshape(B, P).contiguous() if mask_B11P is not None else None
-    out_BH1Dh = torch.empty(B, H, 1, Dh, dtype=torch.float32)
-    status = native_library().decode_attention(
-        q_BHDh.data_ptr(), kt_BGPDh.data_ptr(), v_BGPDh.data_ptr(), B, H, G, P, Dh, kt_BGPDh.stride(0),
-        kt_BGPDh.stride(1), kt_BGPDh.stride(-1), v_BGPDh.stride(0), v_BGPDh.stride(1),
-        mask_BP.data_ptr() if mask_BP is not None else None, 1.0 / math.sqrt(Dh), out_BH1Dh.data_ptr())
-    if status != 0:
-        raise ValueError(f"decode attention kernel: status {status} for q {tuple(q_BH1Dh.shape)}, keys "
-                         f"{tuple(kt_BGPDh.shape)} with strides {kt_BGPDh.stride()}")
-    return out_BH1Dh
 
 
 def attention_mask(valid_BP: torch.Tensor, query_len: int) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""The MoE feed-forward: router, SwiGLU experts stored as 3-D tensors, and two dispatch paths.
+"""The MoE feed-forward: router, SwiGLU experts stored as 3-D tensors, and their dispatch paths, in plain torch.
 
 Shapes: T tokens (batch and sequence flattened), D model dim, E experts, K top-k, F expert hidden dim,
-N = T*K token-slots (one per token and chosen expert).
+N = T*K token-slots (one per token and chosen expert), R rows of an expert buffer (slots plus any padding).
+
+Functions marked @replaceable are the torch reference of a step a kernel may do faster (moe_rl/kernels/: the router's
+top-k, the slot sort, the row copies and sums, the grouped products); which kernels run on a machine is measured
+there, and every one but the fp32 sampler's gives these functions' numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -12,11 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_rl.model.replaceable import replaceable
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.cpu_topk import topk_indices
-from moe_rl.model.grouped_gemm import exact_min_block_rows, grouped_mm, mkl_grouped_mm
 from moe_rl.model.layers import SwiGLU, engine_router_dtype
-from moe_rl.model.native import library as native_library
 
 
 class RouterOutput(NamedTuple):
@@ -41,15 +43,16 @@ class Router(nn.Module):
         # The router runs in fp32 even under bf16 autocast: top-k on low-precision scores makes ties
         # and flips that would show up as spurious churn.
         # Inside an emulated bf16 engine (layers.sampler_autocast) the gate runs in bf16 like the engine's would.
-        dtype = engine_router_dtype() or torch.float32
+        dtype = engine_router_dtype() or accumulation_dtype(x_TD.dtype)
         if torch.is_autocast_enabled(x_TD.device.type):
             with torch.autocast(device_type=x_TD.device.type, enabled=False):
-                logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
+                logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
         else:  # the common fp32 CPU case, without entering a context per layer and step
-            logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype)).float()
+            logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+        logits_TE = logits_TE.to(accumulation_dtype(x_TD.dtype))
         scores_TE = logits_TE.softmax(dim=-1)
         if replay_ids_TK is None:
-            ids_TK = topk_indices(scores_TE, self.top_k)  # scores_TE.topk(K).indices, faster on CPU
+            ids_TK = topk_indices(scores_TE, self.top_k)
         else:
             ids_TK = replay_ids_TK.long()
         # Gather from the dense scores, never from a post-top-k tensor, so the router keeps its
@@ -60,6 +63,11 @@ class Router(nn.Module):
         return RouterOutput(weights_TK, ids_TK, scores_TE, logits_TE)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every dtype but float64 (the tests' reference model, which must not round to fp32 anywhere)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on (grouped_mm is not an autocast op), else x's dtype."""
     if torch.is_autocast_enabled(x.device.type):
@@ -67,31 +75,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def gather_rows(x_TD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
-    """x_TD[index_N]. The embedding kernel copies the rows (about 3x faster than index_select on CPU at 8k rows of
-    64, the same values). With autograd, index_select's backward (an index_add into zeros) is the cheaper one; on CPU
-    in fp32 the C sum (native_kernels.c, add_rows) makes the very same additions, so `_NativeGatherRows` serves."""
-    if not (x_TD.requires_grad and torch.is_grad_enabled()):
-        return F.embedding(index_N, x_TD)
-    if _native_for(x_TD) is not None:
-        return _NativeGatherRows.apply(x_TD, index_N)
-    return x_TD.index_select(0, index_N)
-
-
-class _NativeGatherRows(torch.autograd.Function):
-    """x_TD[index_N] by the embedding kernel; backward: each row's gradients summed into its token in index order,
-    which is index_select's backward (index_add into zeros) bit for bit."""
-
-    @staticmethod
-    def forward(ctx, x_TD, index_N):
-        ctx.save_for_backward(index_N)
-        ctx.n_tokens = x_TD.shape[0]
-        return F.embedding(index_N, x_TD)
-
-    @staticmethod
-    def backward(ctx, grad_ND):
-        (index_N,) = ctx.saved_tensors
-        return _add_rows(native_library(), grad_ND, index_N, ctx.n_tokens), None
+@replaceable("topk")
+def topk_indices(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """The router's choice: the indices of each row's k largest scores, in descending order."""
+    return scores_TE.topk(k, dim=-1).indices
 
 
 class SlotLayout(NamedTuple):
@@ -103,14 +90,9 @@ class SlotLayout(NamedTuple):
     counts_E: torch.Tensor  # slots per expert
 
 
+@replaceable("slots")
 def sort_slots(ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
-    """The stable sort of token-slots by expert id. On CPU a C counting sort (native_kernels.c) gives the same
-    layout (a stable sort has one answer) in one pass: at 5,632 slots and 128 experts (a 32-sequence minibatch at the
-    paper's routing shape) torch's argsort, gather, bincount and division take 127 us, the kernel 23 us (one thread,
-    medians; inside a 48-layer forward, where caches are cold, 300 us against 55 us)."""
-    kernel = native_library() if ids_TK.device.type == "cpu" else None
-    if kernel is not None:
-        return _counting_sort(kernel, ids_TK, n_experts)
+    """The stable sort of token-slots by expert id."""
     K = ids_TK.shape[1]
     ids_N = ids_TK.reshape(-1)
     # The same stable order from narrower keys: on CPU a stable sort of bytes is a radix sort, 4.5x faster than on
@@ -119,19 +101,14 @@ def sort_slots(ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
     return SlotLayout(order_N, ids_N[order_N], order_N // K, torch.bincount(ids_N, minlength=n_experts))
 
 
-def _counting_sort(kernel, ids_TK: torch.Tensor, n_experts: int) -> SlotLayout:
-    K = ids_TK.shape[1]
-    ids_N = ids_TK.reshape(-1).long().contiguous()
-    N = ids_N.numel()
-    order_N, sorted_ids_N, token_N = (torch.empty(N, dtype=torch.int64) for _ in range(3))
-    counts_E = torch.empty(n_experts, dtype=torch.int64)
-    status = kernel.sort_slots(ids_N.data_ptr(), N, K, n_experts, order_N.data_ptr(), sorted_ids_N.data_ptr(),
-                               token_N.data_ptr(), counts_E.data_ptr())
-    if status == -1:
-        raise ValueError(f"expert ids must lie in [0, {n_experts}); got {ids_N.min()}..{ids_N.max()}")
-    if status != 0:
-        raise MemoryError("sorting token-slots by expert: out of memory")
-    return SlotLayout(order_N, sorted_ids_N, token_N, counts_E)
+@replaceable("rows")
+def gather_rows(x_TD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """x_TD[index_N]. Without autograd the embedding kernel copies the rows (about 3x faster than index_select on
+    CPU at 8k rows of 64, the same values); with it, index_select's backward (an index_add into zeros) is the
+    cheaper one."""
+    if not (x_TD.requires_grad and torch.is_grad_enabled()):
+        return F.embedding(index_N, x_TD)
+    return x_TD.index_select(0, index_N)
 
 
 class ExpertRows(NamedTuple):
@@ -143,13 +120,10 @@ class ExpertRows(NamedTuple):
     weight_R: torch.Tensor  # its slot's gate weight (0 for padding)
 
 
+@replaceable("rows")
 def expert_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, slots: SlotLayout,
                 block_rows_E: torch.Tensor | None = None) -> ExpertRows:
-    """The buffer with block_rows_E[e] >= n_e rows for expert e (None: exactly n_e, no padding). Without autograd
-    on CPU in fp32, one C pass (native_kernels.c, expert_rows) makes the same copies as the torch code."""
-    kernel = _native_without_grad(x_TD, weights_TK)
-    if kernel is not None:
-        return _native_expert_rows(kernel, x_TD, weights_TK, slots, block_rows_E)
+    """The buffer with block_rows_E[e] >= n_e rows for expert e (None: exactly n_e, no padding)."""
     if block_rows_E is None:
         return ExpertRows(gather_rows(x_TD, slots.token_N), slots.token_N,
                           weights_TK.reshape(-1).index_select(0, slots.order_N))
@@ -163,107 +137,32 @@ def expert_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, slots: SlotLayout,
     return ExpertRows(gather_rows(x_padded_TD, token_R), token_R, weight_R)
 
 
-def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """out_TD (fp32) = the sum of each token's rows of y_RD, in row order; padding rows (token T) are dropped. One C
-    pass without autograd (native_kernels.c, add_rows: the additions of index_add, in its order), else index_add."""
-    kernel = _native_without_grad(y_RD)
-    if kernel is not None:
-        return _add_rows(kernel, y_RD, token_R, n_tokens)
-    if _native_for(y_RD) is not None:
-        return _NativeCombineRows.apply(y_RD, token_R, n_tokens)
-    out_TD = torch.zeros(n_tokens + 1, y_RD.shape[1], device=y_RD.device, dtype=torch.float32)
-    return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
-
-
-def _add_rows(kernel, y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
-    out_TD = torch.empty(n_tokens, y_RD.shape[1], dtype=torch.float32)
-    if kernel.add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
-                       out_TD.data_ptr()) != 0:
-        raise ValueError(f"a buffer row names a token outside [0, {n_tokens}]")
-    return out_TD
-
-
-class _NativeCombineRows(torch.autograd.Function):
-    """combine_rows with autograd: the C sum forward; backward, each row's token's gradient (zeros for padding
-    rows), the copies index_add's backward (an index_select of the gradient) makes."""
-
-    @staticmethod
-    def forward(ctx, y_RD, token_R, n_tokens: int):
-        ctx.save_for_backward(token_R)
-        return _add_rows(native_library(), y_RD, token_R, n_tokens)
-
-    @staticmethod
-    def backward(ctx, grad_TD):
-        (token_R,) = ctx.saved_tensors
-        grad_with_padding_TD = torch.cat([grad_TD, grad_TD.new_zeros(1, grad_TD.shape[1])])
-        return F.embedding(token_R, grad_with_padding_TD), None, None
-
-
-def _native_without_grad(*tensors: torch.Tensor):
-    """The C kernels, where they may stand in for torch directly: CPU fp32 tensors and no autograd through them."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
-    return _native_for(*tensors)
-
-
-def _native_for(*tensors: torch.Tensor):
-    """The C kernels for CPU fp32 tensors (with autograd, inside the Functions that wrap them), else None."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return None
-    return native_library()
-
-
-SAMPLER_KERNEL_LANES = 16  # the sampler's experts kernel works in 16-float vectors of the model and expert widths
-
-
-def _sampler_kernel_serves(x_TD: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor) -> bool:
-    """The fp32 sampler (inference mode marks the sampler's passes; the trainer's no-grad passes run under no_grad)
-    outside autocast, with model and expert widths that are multiples of 16, and the kernels built."""
-    _, d_expert, d_model = w_down_EFD.shape
-    widths_fit = d_model % SAMPLER_KERNEL_LANES == 0 and d_expert % SAMPLER_KERNEL_LANES == 0
-    return (torch.is_inference_mode_enabled() and not torch.is_autocast_enabled("cpu") and widths_fit
-            and _native_for(x_TD, w_gate_up_EDF2, w_down_EFD) is not None)
-
-
-def _sampler_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD) -> torch.Tensor:
-    """Every expert's SwiGLU on its slots in one C pass (native_kernels.c, sampler_experts): four slots of an expert
-    per read of its weights, no buffers between the products. Agrees with the grouped path to fp32 rounding."""
-    (T, D), (E, F) = x_TD.shape, w_down_EFD.shape[:2]
-    x_TD, weights_TK = x_TD.contiguous(), weights_TK.contiguous()
-    out_TD = torch.empty(T, D, dtype=torch.float32)
-    status = native_library().sampler_experts(
-        x_TD.data_ptr(), T, D, F, weights_TK.shape[1], slots.token_N.data_ptr(), slots.order_N.data_ptr(),
-        weights_TK.data_ptr(), slots.counts_E.data_ptr(), E, w_gate_up_EDF2.contiguous().data_ptr(),
-        w_down_EFD.contiguous().data_ptr(), out_TD.data_ptr())
-    if status != 0:
-        raise ValueError(f"sampler experts kernel: status {status} for {T} tokens, d_model {D}, d_expert {F}")
-    return out_TD
-
-
-def _native_expert_rows(kernel, x_TD, weights_TK, slots: SlotLayout, block_rows_E) -> ExpertRows:
-    (T, D), E = x_TD.shape, slots.counts_E.numel()
-    x_TD, weights_TK = x_TD.contiguous(), weights_TK.contiguous()
-    n_rows = slots.token_N.numel() if block_rows_E is None else int(block_rows_E.sum())
-    if block_rows_E is not None:
-        block_rows_E = block_rows_E.to(torch.int64).contiguous()
-    x_RD, token_R, weight_R = (torch.empty(n_rows, D, dtype=torch.float32), torch.empty(n_rows, dtype=torch.int64),
-                                 torch.empty(n_rows, dtype=torch.float32))
-    written = kernel.expert_rows(x_TD.data_ptr(), T, D, slots.token_N.data_ptr(), slots.order_N.data_ptr(),
-                                 slots.token_N.numel(), weights_TK.data_ptr(), slots.counts_E.data_ptr(),
-                                 None if block_rows_E is None else block_rows_E.data_ptr(), E, x_RD.data_ptr(),
-                                 token_R.data_ptr(), weight_R.data_ptr())
-    if written != n_rows:
-        raise ValueError("expert groups that do not add up to the slots, blocks shorter than their groups, or slots "
-                         "of tokens outside the batch")
-    return ExpertRows(x_RD, token_R, weight_R)
-
-
 def _buffer_rows(slots: SlotLayout, block_starts_E: torch.Tensor) -> torch.Tensor:
     """Buffer row of each sorted slot: its expert's block start + its rank within the expert's group."""
     starts_E = slots.counts_E.cumsum(0) - slots.counts_E
     rank_N = torch.arange(slots.ids_N.numel(), device=slots.ids_N.device) - starts_E[slots.ids_N]
     return block_starts_E[slots.ids_N] + rank_N
+
+
+@replaceable("rows")
+def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """out_TD (fp32) = the sum of each token's rows of y_RD, in row order; padding rows (token T) are dropped."""
+    out_TD = torch.zeros(n_tokens + 1, y_RD.shape[1], device=y_RD.device, dtype=torch.float32)
+    return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
+
+
+@replaceable("mkl_products")
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]; groups given by their end offsets."""
+    return torch._grouped_mm(x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))
+
+
+@replaceable("mkl_products")
+def short_block_rows(counts_E: torch.Tensor, capacity: int, d_model: int, d_expert: int,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """Rows per expert block of the padded kernel: None, C = capacity rows each. A kernel may give shorter blocks
+    (at least n_e rows) where their products are exactly those of the C-row blocks."""
+    return None
 
 
 # Padded batched matmuls win while groups are tiny (many experts, decode steps): one bmm replaces a loop of E small
@@ -306,10 +205,10 @@ class Experts(nn.Module):
     """E SwiGLU experts as 3-D weights: w_gate_up (E, D, 2F) and w_down (E, F, D).
 
     Dispatch paths (they compute the same function and differ only in fp rounding): 'loop' is the reference, one
-    matmul chain per expert; 'grouped_mm' sorts token-slots by expert and runs torch._grouped_mm with group offsets;
+    matmul chain per expert; 'grouped_mm' sorts token-slots by expert and runs grouped matmuls with group offsets;
     'padded' scatters the sorted slots into an (E, C, D) buffer padded to the largest group C and runs two batched
-    matmuls; 'grouped' picks grouped_mm or padded per call by shape (`choose_kernel`), and in the fp32 sampler runs
-    every expert in one C pass instead (`_sampler_experts`; the trainer's passes never do).
+    matmuls; 'grouped' picks grouped_mm or padded per call by shape (`choose_kernel`), and in the fp32 sampler a
+    kernel may run every expert in one pass instead (`routed_experts`; the trainer's passes never do).
     """
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, dispatch: str):
@@ -323,92 +222,87 @@ class Experts(nn.Module):
         if self.dispatch == "loop":
             return self._loop(x_TD, weights_TK, ids_TK)
         slots = sort_slots(ids_TK, self.n_experts)
-        if self.dispatch == "grouped" and _sampler_kernel_serves(x_TD, self.w_gate_up, self.w_down):
-            return _sampler_experts(x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
-        kernel, capacity = self.dispatch, 0
-        if kernel == "grouped":
-            _, d_expert, d_model = self.w_down.shape
-            aligned = d_expert % 8 == 0 and d_model % 8 == 0
-            kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, ids_TK.numel(), aligned,
-                                             row_macs=3 * d_model * d_expert)
-        elif kernel == "padded":
-            capacity = int(slots.counts_E.max())
-        if kernel == "padded":
-            return self._padded(x_TD, weights_TK, slots, capacity)
-        return self._grouped_mm(x_TD, weights_TK, slots)
-
-    def _grouped_mm(self, x_TD, weights_TK, slots: SlotLayout):
-        """All experts as two grouped matmuls over the sorted token-slots."""
-        dtype = _compute_dtype(x_TD)
-        rows = expert_rows(x_TD, weights_TK, slots)
-        gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), self.w_gate_up.to(dtype), slots.counts_E)
-        gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
-        hidden_NF = F.silu(gate_NF) * up_NF
-        gate_weight_N = rows.weight_R
-        d_expert, d_model = self.w_down.shape[1:]
-        if dtype == torch.float32 and d_expert < d_model:
-            # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
-            # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
-            hidden_NF = hidden_NF * gate_weight_N[:, None]
-            y_ND = grouped_mm(hidden_NF, self.w_down, slots.counts_E)
-        else:  # low precision: the gate weight is applied in fp32 after the matmul
-            y_ND = grouped_mm(hidden_NF, self.w_down.to(dtype), slots.counts_E)
-            y_ND = y_ND.float() * gate_weight_N[:, None]
-        return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
-
-    def _padded(self, x_TD, weights_TK, slots: SlotLayout, capacity: int):
-        """Two batched matmuls over a buffer of per-expert row blocks: expert e's r-th slot sits in row
-        block_start_e + r. Padding rows read a zero row (index T) and add into a row that is dropped, so they change
-        no output and no gradient. The blocks hold C rows (the largest group; torch.bmm over an (E, C, D) view),
-        or, in passes without autograd where MKL gives the very same numbers from shorter blocks (`_short_blocks`),
-        max(n_e, m0) rows each (one MKL batch call): a decode step at 128 experts then multiplies about a third of
-        the rows."""
-        E = self.n_experts
-        dtype = _compute_dtype(x_TD)
-        block_rows_E = self._short_blocks(x_TD, slots.counts_E, capacity, dtype)
-        uniform = block_rows_E is None
-        if uniform:
-            block_rows_E = slots.counts_E.new_full((E,), capacity)
-        rows = expert_rows(x_TD, weights_TK, slots, block_rows_E)
-        x_RD, n_rows = rows.x_RD.to(dtype), rows.x_RD.shape[0]
-
-        def blocks_times(w_EDF, a_RD):
-            if uniform:
-                return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
-            return mkl_grouped_mm(a_RD, w_EDF, block_rows_E)
-
-        gate_RF, up_RF = blocks_times(self.w_gate_up.to(dtype), x_RD).chunk(2, dim=-1)
-        hidden_RF = F.silu(gate_RF) * up_RF
-        if dtype == torch.float32 and hidden_RF.shape[-1] < x_TD.shape[1]:  # the gate weight on the narrower side
-            y_RD = blocks_times(self.w_down, hidden_RF * rows.weight_R[:, None])
-        else:
-            y_RD = blocks_times(self.w_down.to(dtype), hidden_RF).float() * rows.weight_R[:, None]
-        return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
-
-    def _short_blocks(self, x_TD, counts_E, capacity: int, dtype) -> torch.Tensor | None:
-        """Rows per expert block, max(n_e, m0), where shorter blocks give the C-row blocks' numbers exactly (see
-        grouped_gemm.exact_min_block_rows); None where they might not or cannot (autograd, GPU, other dtypes, more
-        than one thread, C below m0)."""
-        if torch.is_grad_enabled() or x_TD.device.type != "cpu" or dtype != torch.float32:
-            return None
-        d_expert, d_model = self.w_down.shape[1:]
-        exact_rows = [exact_min_block_rows(d_model, 2 * d_expert, capacity),
-                      exact_min_block_rows(d_expert, d_model, capacity)]
-        if None in exact_rows or max(exact_rows) >= capacity:
-            return None
-        return counts_E.clamp(min=max(exact_rows))
+        if self.dispatch == "grouped":
+            return routed_experts(x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
+        capacity = int(slots.counts_E.max()) if self.dispatch == "padded" else 0
+        return experts_by_kernel(self.dispatch, capacity, x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
 
     def _loop(self, x_TD, weights_TK, ids_TK):
         """Reference path: one plain matmul chain per expert that received tokens."""
-        out_TD = torch.zeros(x_TD.shape, device=x_TD.device, dtype=torch.float32)
+        out_TD = torch.zeros(x_TD.shape, device=x_TD.device, dtype=accumulation_dtype(x_TD.dtype))
         for e in range(self.n_experts):
             token_idx, slot_idx = (ids_TK == e).nonzero(as_tuple=True)
             if token_idx.numel() == 0:
                 continue
             gate, up = (x_TD[token_idx] @ self.w_gate_up[e]).chunk(2, dim=-1)
             y = (F.silu(gate) * up) @ self.w_down[e]
-            out_TD = out_TD.index_add(0, token_idx, y.float() * weights_TK[token_idx, slot_idx, None])
+            out_TD = out_TD.index_add(0, token_idx, y.to(out_TD.dtype) * weights_TK[token_idx, slot_idx, None])
         return out_TD.to(x_TD.dtype)
+
+
+@replaceable("sampler_experts")
+def routed_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD) -> torch.Tensor:
+    """Dispatch 'grouped': grouped_mm or padded for this call, by shape (choose_kernel)."""
+    _, d_expert, d_model = w_down_EFD.shape
+    aligned = d_expert % 8 == 0 and d_model % 8 == 0
+    kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, weights_TK.numel(), aligned,
+                                     row_macs=3 * d_model * d_expert)
+    return experts_by_kernel(kernel, capacity, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD)
+
+
+def experts_by_kernel(kernel: str, capacity: int, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD):
+    if kernel == "padded":
+        return _padded(x_TD, weights_TK, slots, capacity, w_gate_up_EDF2, w_down_EFD)
+    return _grouped_mm(x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD)
+
+
+def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD):
+    """All experts as two grouped matmuls over the sorted token-slots."""
+    dtype = _compute_dtype(x_TD)
+    rows = expert_rows(x_TD, weights_TK, slots)
+    gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), w_gate_up_EDF2.to(dtype), slots.counts_E)
+    gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
+    hidden_NF = F.silu(gate_NF) * up_NF
+    gate_weight_N = rows.weight_R
+    d_expert, d_model = w_down_EFD.shape[1:]
+    if dtype == torch.float32 and d_expert < d_model:
+        # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
+        # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
+        hidden_NF = hidden_NF * gate_weight_N[:, None]
+        y_ND = grouped_mm(hidden_NF, w_down_EFD, slots.counts_E)
+    else:  # low precision: the gate weight is applied in fp32 after the matmul
+        y_ND = grouped_mm(hidden_NF, w_down_EFD.to(dtype), slots.counts_E)
+        y_ND = y_ND.float() * gate_weight_N[:, None]
+    return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+
+
+def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, w_down_EFD):
+    """Two batched matmuls over a buffer of per-expert row blocks: expert e's r-th slot sits in row
+    block_start_e + r. Padding rows read a zero row (index T) and add into a row that is dropped, so they change no
+    output and no gradient. The blocks hold C rows (the largest group; torch.bmm over an (E, C, D) view), or, where a
+    kernel gives the very same numbers from shorter blocks (`short_block_rows`), at least n_e rows each: a decode
+    step at 128 experts then multiplies about a third of the rows."""
+    E, d_expert, d_model = w_down_EFD.shape
+    dtype = _compute_dtype(x_TD)
+    block_rows_E = short_block_rows(slots.counts_E, capacity, d_model, d_expert, dtype)
+    uniform = block_rows_E is None
+    if uniform:
+        block_rows_E = slots.counts_E.new_full((E,), capacity)
+    rows = expert_rows(x_TD, weights_TK, slots, block_rows_E)
+    x_RD, n_rows = rows.x_RD.to(dtype), rows.x_RD.shape[0]
+
+    def blocks_times(w_EDF, a_RD):
+        if uniform:
+            return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
+        return grouped_mm(a_RD, w_EDF, block_rows_E)
+
+    gate_RF, up_RF = blocks_times(w_gate_up_EDF2.to(dtype), x_RD).chunk(2, dim=-1)
+    hidden_RF = F.silu(gate_RF) * up_RF
+    if dtype == torch.float32 and hidden_RF.shape[-1] < x_TD.shape[1]:  # the gate weight on the narrower side
+        y_RD = blocks_times(w_down_EFD, hidden_RF * rows.weight_R[:, None])
+    else:
+        y_RD = blocks_times(w_down_EFD.to(dtype), hidden_RF).float() * rows.weight_R[:, None]
+    return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, ids_TK: torch.Tensor, valid_T: torch.Tensor | None = None):

@@ -19,7 +19,7 @@ from moe_rl.model.layers import (
     Rotary,
     SwiGLU,
     attention_mask,
-    decode_kernel_serves,
+    decode_keys_transposed,
     decode_mask,
     init_weights,
     last_positions,
@@ -78,10 +78,10 @@ class MoETransformer(nn.Module):
         return [block.ffn for block in self.blocks if block.is_moe]
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """A KV cache for `batch` rows; made inside the sampler's precision context, it stores keys for the C decode
-        attention where that serves (fp32 on CPU, layers.decode_kernel_serves)."""
+        """A KV cache for `batch` rows; made inside the sampler's precision context, in the key layout the decode
+        attention that will read it wants (layers.decode_keys_transposed)."""
         param = self.embed.weight
-        transposed = decode_kernel_serves(param.device, param.dtype, self.cfg.head_dim)
+        transposed = decode_keys_transposed(param.device, param.dtype, self.cfg.head_dim)
         return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, param.device, param.dtype, transposed)
 
     def forward(

@@ -13,32 +13,35 @@ Exactness: the kernel only compares and copies, so for a row whose k+1 largest s
 exactly torch.topk's indices (the k largest, in descending order, are then unique). Where two of them are equal (or a
 score is NaN), torch's order among equals is an implementation detail this kernel does not reproduce, so that
 row is redone by torch.topk (which treats each row on its own). Routing, traces and every number downstream are
-therefore those torch.topk gives. Without the C kernels (moe_rl/model/native.py), torch.topk is used.
+therefore those torch.topk gives. Without the C kernels (native.py), torch.topk is used.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_rl.model.native import library as native_library
+from moe_rl.model.replaceable import implements
+from moe_rl.kernels.native import library as native_library
 
 MAX_K = 64
 
 
+@implements("topk_indices")
 def topk_indices(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     """scores_TE.topk(k, dim=-1).indices, computed by the C kernel where it gives the same answer."""
     kernel = native_library() if _serves(scores_TE, k) else None
-    if kernel is not None:
-        scores_TE = scores_TE.detach().contiguous()
-        T, E = scores_TE.shape
-        ids_TK = torch.empty(T, k, dtype=torch.int64)
-        unclear = kernel.topk_rows(scores_TE.data_ptr(), T, E, k, ids_TK.data_ptr())
-        if unclear > 0:
-            unclear_U = (ids_TK[:, 0] < 0).nonzero().squeeze(1)
-            ids_TK[unclear_U] = scores_TE[unclear_U].topk(k, dim=-1).indices
-        if unclear >= 0:
-            return ids_TK
-    return scores_TE.topk(k, dim=-1).indices
+    if kernel is None:
+        return NotImplemented
+    scores_TE = scores_TE.detach().contiguous()
+    T, E = scores_TE.shape
+    ids_TK = torch.empty(T, k, dtype=torch.int64)
+    unclear = kernel.topk_rows(scores_TE.data_ptr(), T, E, k, ids_TK.data_ptr())
+    if unclear < 0:  # out of memory for its buffers
+        return NotImplemented
+    if unclear > 0:
+        unclear_U = (ids_TK[:, 0] < 0).nonzero().squeeze(1)
+        ids_TK[unclear_U] = scores_TE[unclear_U].topk(k, dim=-1).indices
+    return ids_TK
 
 
 def _serves(scores_TE: torch.Tensor, k: int) -> bool:

@@ -1,13 +1,17 @@
 """moe-rl's C kernels (native_kernels.c beside this file): built once per machine, loaded with ctypes.
 
-The kernels serve the routing hot path on CPU: the router's top-k, sorting token-slots by expert, gathering the
-experts' input rows and adding up their outputs (the sums also as the backward of the gather, inside autograd
-Functions in moe.py), setting up the experts' MKL batch products (and computing them in MKL's own order where a
-check at load shows the same bits, grouped_gemm.exact_plan), and the rotary embedding forward and backward
-(layers.py). Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so
-whether they are used changes speed only. One exception: the fp32 sampler's decode-step attention (layers.py,
-decode_attention) agrees with torch's to fp32 rounding, not bit for bit; without the kernels the sampler's fp32
-numbers differ at that level (the trainer's forwards and the bf16 sampler do not use it).
+The kernels serve the routing hot path on CPU: the router's top-k (topk.py), sorting token-slots by expert,
+gathering the experts' input rows and adding up their outputs (rows.py), setting up the experts' MKL batch products
+and computing them in MKL's own order where a check at load shows the same bits (grouped_gemm.py), the rotary
+embedding and the fp32 sampler's decode attention (attention.py) and experts (sampler.py). Each gives exactly the
+numbers of the torch code it replaces (native_kernels.c says why for each), so whether they are used changes speed
+only; the exceptions are the fp32 sampler's two kernels, which agree with torch to fp32 rounding. Which of them run
+on a machine is measured (selection.py).
+
+MOE_RL_ISA caps the instruction sets of these kernels, as ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS and
+ONEDNN_MAX_CPU_ISA cap torch's: `avx512` (the default: every version, the widest picked at load), `avx2` (one
+version compiled for AVX2, no AVX-512 kernels) or `baseline` (one x86-64 baseline version), so that the tests can run
+the code an older CPU would run.
 
 The source is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into a user cache folder
 ($XDG_CACHE_HOME or ~/.cache, then moe-rl/), under a name that hashes the source and the compiler flags, so an edited
@@ -34,6 +38,11 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 # A toolchain without function multi-versioning (native_kernels.c, WIDEST_VECTORS) builds one baseline version.
 ONE_VERSION_FLAGS = (*FLAGS, "-DMOE_RL_ONE_VERSION")
+ISA_CAPS = {  # MOE_RL_ISA: the flag sets to try, in order
+    "avx512": (FLAGS, ONE_VERSION_FLAGS),
+    "avx2": ((*ONE_VERSION_FLAGS, "-mavx2", "-mfma"), ONE_VERSION_FLAGS),
+    "baseline": (ONE_VERSION_FLAGS,),
+}
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or count)
@@ -49,13 +58,30 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
 }
 
 
+def isa_cap() -> str:
+    """MOE_RL_ISA, checked: avx512 (default), avx2 or baseline."""
+    cap = os.environ.get("MOE_RL_ISA", "avx512").strip().lower() or "avx512"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"MOE_RL_ISA={cap!r}: must be one of {', '.join(ISA_CAPS)}")
+    return cap
+
+
+def cache_folder() -> Path:
+    """Where the compiled kernels and the measured kernel choice live ($XDG_CACHE_HOME or ~/.cache, then moe-rl)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl"
+
+
+def source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels with their signatures set, or None (no compiler, a failed build, or switched off)."""
     if os.environ.get("MOE_RL_NATIVE", "1") == "0" or sys.platform == "win32":
         return None
     try:
-        loaded = ctypes.CDLL(str(build()))
+        loaded = ctypes.CDLL(str(build(ISA_CAPS[isa_cap()])))
     except (OSError, subprocess.SubprocessError):
         return None
     for name, argtypes in _SIGNATURES.items():
@@ -72,7 +98,7 @@ def build(flag_sets: tuple[tuple[str, ...], ...] = (FLAGS, ONE_VERSION_FLAGS)) -
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl"
+    cache = cache_folder()
     source = SOURCE.read_bytes()
     for number, flags in enumerate(flag_sets, start=1):
         built_library = cache / f"native_{hashlib.sha256(source + ' '.join(flags).encode()).hexdigest()[:16]}.so"

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from moe_rl.model.native import library as native_library
+from moe_rl.model.replaceable import family_enabled, implements
+from moe_rl.kernels.native import library as native_library
 
 _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2  # the products of native_kernels.c's expert_sgemm
 _MAX_MKL_INT = 2**31 - 1  # the LP64 interface takes 32-bit sizes and strides
@@ -53,7 +54,7 @@ def _sgemm_batch() -> int | None:
 
 
 def mkl_available() -> bool:
-    """MKL's batched GEMM and the C kernels that set up its calls (moe_rl/model/native.py) are both there."""
+    """MKL's batched GEMM and the C kernels that set up its calls (native.py) are both there."""
     return _sgemm_batch() is not None and native_library() is not None
 
 
@@ -65,22 +66,32 @@ def mkl_available() -> bool:
 MKL_MIN_EXPERTS_WITH_GRAD = 32
 
 
+@implements("grouped_mm")
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm over the groups of
-    counts_E, with the same values and gradients; on one CPU thread through MKL batch calls (always without autograd;
-    with it, the forward and the two products of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
+    """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm's values and gradients,
+    on one CPU thread through MKL batch calls (always without autograd; with it, the forward and the two products
+    of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
     if not _serves(x_ND, w_EDF):
-        return _torch_grouped_mm(x_ND, w_EDF, counts_E)
+        return NotImplemented
     if torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad):
         if w_EDF.shape[0] < MKL_MIN_EXPERTS_WITH_GRAD:
-            return _torch_grouped_mm(x_ND, w_EDF, counts_E)
+            return NotImplemented
         return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E)
     return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
 
 
-def _torch_grouped_mm(x_ND, w_EDF, counts_E):
-    """torch._grouped_mm, whose groups are given by their end offsets (int32)."""
-    return torch._grouped_mm(x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))
+@implements("short_block_rows")
+def short_block_rows(counts_E: torch.Tensor, capacity: int, d_model: int, d_expert: int, dtype: torch.dtype):
+    """Rows per expert block of the padded kernel, max(n_e, m0), where MKL gives the C-row blocks' numbers from
+    shorter blocks (exact_min_block_rows); NotImplemented where it might not or cannot (autograd, GPU, other dtypes,
+    more than one thread, C below m0)."""
+    if torch.is_grad_enabled() or counts_E.device.type != "cpu" or dtype != torch.float32:
+        return NotImplemented
+    exact_rows = [exact_min_block_rows(d_model, 2 * d_expert, capacity),
+                  exact_min_block_rows(d_expert, d_model, capacity)]
+    if None in exact_rows or max(exact_rows) >= capacity:
+        return NotImplemented
+    return counts_E.clamp(min=max(exact_rows))
 
 
 def _serves(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:
@@ -161,7 +172,7 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     if shapes != expected:
         raise ValueError(f"grouped matmul operands of shapes {shapes}, expected {expected}")
     skip_min_rows, skip_max_rows = 1, 0  # an empty range: MKL computes every expert
-    plan = exact_plan(mode, D, F)
+    plan = exact_plan(mode, D, F) if family_enabled("exact_products") else None
     if plan is not None:
         left = _exact_products(mode, counts_E, rows, D, F, a, b, c, plan)
         if left == 0:

@@ -1,0 +1,28 @@
+"""Fast paths for the model's hot spots, behind one seam.
+
+moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a function there marked
+`@replaceable(family)` (moe_rl/model/replaceable.py), and this package holds the kernels that stand in for them:
+
+| family           | module           | replaces (moe_rl/model/)                         | numbers              |
+|------------------|------------------|--------------------------------------------------|----------------------|
+| topk             | topk.py          | moe.topk_indices (torch.topk)                    | the same bits        |
+| slots            | rows.py          | moe.sort_slots (stable argsort)                  | the same bits        |
+| rows             | rows.py          | moe.gather_rows, expert_rows, combine_rows       | the same bits        |
+| mkl_products     | grouped_gemm.py  | moe.grouped_mm, moe.short_block_rows             | the same bits        |
+| exact_products   | grouped_gemm.py  | MKL's products inside mkl_products (AVX-512)     | MKL's bits (checked) |
+| rotary           | attention.py     | layers.apply_rotary                              | the same bits        |
+| decode_attention | attention.py     | layers.decode_attention, decode_keys_transposed  | fp32 rounding        |
+| sampler_experts  | sampler.py       | moe.routed_experts in the fp32 sampler           | fp32 rounding        |
+
+CUDA runs torch's own kernels (torch._grouped_mm is a real grouped GEMM there). The C source is native_kernels.c,
+built once per machine (native.py); which families run is measured once per machine (selection.py, measure.py) and
+recorded in every run's manifest and benchmark (`selection.report()`).
+"""
+
+from moe_rl.kernels import attention, grouped_gemm, rows, sampler, topk  # noqa: F401  (register implementations)
+from moe_rl.kernels.selection import FAMILIES, choices, enabled, forced, report
+from moe_rl.model import replaceable
+
+replaceable.install(enabled)
+
+__all__ = ["FAMILIES", "choices", "enabled", "forced", "report"]

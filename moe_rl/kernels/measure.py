@@ -1,0 +1,230 @@
+"""The measurement behind selection.py: each kernel family timed against its torch reference at the shapes it serves.
+
+Shapes: the paper's routing shape at a CPU width (704 tokens, a 32-sequence minibatch; 128 experts, top-8, d_model
+64, expert width 32) and a small one (8 experts, top-2, expert width 64), with and without autograd where the family
+serves both; the sampler's families by decode loops of two small models (batch 32, 8 new tokens). Each
+contender runs in alternation with the other, several rounds; a family is used where the geometric mean over its
+workloads of its median time over the reference's is at most FASTER_BY, or INEXACT_FASTER_BY for the two that
+change rounding (one heavy workload does not outvote the others, and a machine's drift cancels in each ratio). The families that give the reference's bits are measured first;
+the sampler's two are then measured with those choices in force. About a second in all.
+
+The measurement leaves no trace in the run: it uses its own random generators inside torch.random.fork_rng (the
+global RNG state is restored), outside autocast and inference mode, on fresh tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+ROUNDS = 7
+FASTER_BY = 0.97  # a family is used only where its time is at most this share of the reference's
+# ... and one that changes the rounding (the fp32 sampler's two) only where it clearly wins, so that a machine whose
+# timings sit near the edge does not sample with one kernel after one measurement and the other after the next.
+INEXACT_FASTER_BY = 0.85
+INEXACT = ("decode_attention", "sampler_experts")
+MIN_SAMPLE_S = 0.002  # each timed sample repeats its work until it lasts at least this long
+
+
+def measure_all(forced) -> dict[str, dict]:
+    """family -> {"used", "why", "fast_s", "reference_s"}; `forced(**families)` is selection.forced, the context
+    that turns families on and off."""
+    chosen: dict[str, dict] = {}
+    off = {family: False for family in _PLANS}
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.autocast("cpu", enabled=False):
+        for family, (is_available, workloads) in _PLANS.items():
+            missing = is_available()
+            if missing:
+                chosen[family] = {"used": False, "why": f"unavailable: {missing}"}
+                continue
+            others = {**off, **{name: choice["used"] for name, choice in chosen.items()}}
+            times = _race(forced, family, workloads(), others)
+            ratio = math.exp(statistics.fmean(math.log(fast / reference) for fast, reference in times))
+            threshold = INEXACT_FASTER_BY if family in INEXACT else FASTER_BY
+            chosen[family] = {"used": ratio <= threshold, "why": f"measured: {ratio:.2f}x the torch time",
+                              "fast_s": [round(fast, 7) for fast, _ in times],
+                              "reference_s": [round(reference, 7) for _, reference in times]}
+    return chosen
+
+
+def _race(forced, family: str, workloads: list[Callable[[], object]],
+          others: dict[str, bool]) -> list[tuple[float, float]]:
+    """Per workload, the median time with the family on and off (the other families as given)."""
+    times = []
+    for work in workloads:
+        with forced(**{**others, family: True}):
+            work()  # warm-up: first-call set-up (plans, caches) is not what is measured
+            repeat = max(1, int(MIN_SAMPLE_S / max(_once(work), 1e-7)))
+        samples = {True: [], False: []}
+        for _ in range(ROUNDS):
+            for on in (True, False):
+                with forced(**{**others, family: on}):
+                    samples[on].append(_once(work, repeat) / repeat)
+        times.append((statistics.median(samples[True]), statistics.median(samples[False])))
+    return times
+
+
+def _once(work: Callable[[], object], repeat: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        work()
+    return time.perf_counter() - start
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- workloads ----------------------------------------------------------------------------------------------------
+
+PAPER = dict(tokens=704, experts=128, top_k=8, d_model=64, d_expert=32)
+SMALL = dict(tokens=512, experts=8, top_k=2, d_model=64, d_expert=64)
+
+
+def _routing(tokens, experts, top_k, **_):
+    scores_TE = torch.randn(tokens, experts, generator=_generator()).softmax(-1)
+    return scores_TE, scores_TE.topk(top_k, dim=-1).indices
+
+
+def _topk_workloads():
+    from moe_rl.model.moe import topk_indices
+
+    work = []
+    for shape in (PAPER, SMALL):
+        scores_TE, _ = _routing(**shape)
+        work.append(lambda s=scores_TE, k=shape["top_k"]: topk_indices(s, k))
+    return work
+
+
+def _slots_workloads():
+    from moe_rl.model.moe import sort_slots
+
+    return [lambda ids=_routing(**shape)[1], e=shape["experts"]: sort_slots(ids, e) for shape in (PAPER, SMALL)]
+
+
+def _rows_workloads():
+    from moe_rl.model.moe import combine_rows, expert_rows, sort_slots
+
+    work = []
+    for shape in (PAPER, SMALL):
+        scores_TE, ids_TK = _routing(**shape)
+        weights_TK = scores_TE.gather(-1, ids_TK)
+        slots = sort_slots.reference(ids_TK, shape["experts"])
+        x_TD = torch.randn(shape["tokens"], shape["d_model"], generator=_generator(1))
+
+        def no_grad(x_TD=x_TD, weights_TK=weights_TK, slots=slots):
+            with torch.no_grad():
+                rows = expert_rows(x_TD, weights_TK, slots)
+                combine_rows(rows.x_RD, rows.token_R, x_TD.shape[0])
+
+        def with_grad(x_TD=x_TD, weights_TK=weights_TK, slots=slots):
+            x = x_TD.clone().requires_grad_()
+            rows = expert_rows(x, weights_TK, slots)
+            combine_rows(rows.x_RD * 2, rows.token_R, x.shape[0]).backward(x_TD)
+
+        work += [no_grad, with_grad]
+    return work
+
+
+def _products_workloads():
+    from moe_rl.model.moe import grouped_mm, sort_slots
+
+    work = []
+    for shape in (PAPER, SMALL):
+        _, ids_TK = _routing(**shape)
+        counts_E = sort_slots.reference(ids_TK, shape["experts"]).counts_E
+        N, D, F = ids_TK.numel(), shape["d_model"], shape["d_expert"]
+        x_ND = torch.randn(N, D, generator=_generator(2))
+        w_EDF = torch.randn(shape["experts"], D, 2 * F, generator=_generator(3))
+
+        def no_grad(x_ND=x_ND, w_EDF=w_EDF, counts_E=counts_E):
+            with torch.no_grad():
+                grouped_mm(x_ND, w_EDF, counts_E)
+
+        grad_NF = torch.randn(N, 2 * F, generator=_generator(4))
+
+        def with_grad(x_ND=x_ND, w_EDF=w_EDF, counts_E=counts_E, grad_NF=grad_NF):
+            x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+            grouped_mm(x, w, counts_E).backward(grad_NF)
+
+        work += [no_grad, with_grad]
+    return work
+
+
+def _rotary_workloads():
+    from moe_rl.model.layers import Rotary, apply_rotary
+
+    x_BSHDh = torch.randn(32, 22, 4, 16, generator=_generator(4))
+    cos, sin = Rotary(16, 10000.0).cos_sin(torch.arange(22).expand(32, 22))
+
+    def with_grad():
+        x = x_BSHDh.clone().requires_grad_()
+        apply_rotary(x, cos, sin).backward(x_BSHDh)
+
+    return [lambda: apply_rotary(x_BSHDh, cos, sin), with_grad]
+
+
+def _sampler_workloads():
+    """Decode loops as the sampler runs them (inference mode, a KV cache made there, one token per step)."""
+    from moe_rl.model import ModelConfig, MoETransformer
+
+    work = []
+    for experts, top_k, d_expert in ((PAPER["experts"], PAPER["top_k"], PAPER["d_expert"]), (8, 2, 64)):
+        cfg = ModelConfig(vocab_size=99, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                          n_experts=experts, top_k=top_k, d_expert=d_expert)
+        torch.manual_seed(0)  # inside fork_rng: the caller's RNG state is restored afterwards
+        model = MoETransformer(cfg).eval()
+        prompts_BP = torch.randint(1, 99, (32, 8), generator=_generator(5))
+        work.append(lambda model=model, prompts_BP=prompts_BP: _decode(model, prompts_BP, new_tokens=8))
+    return work
+
+
+def _decode(model, prompts_BP: torch.Tensor, new_tokens: int) -> None:
+    with torch.inference_mode():
+        cache = model.new_cache(prompts_BP.shape[0], prompts_BP.shape[1] + new_tokens)
+        logits_BV = model(prompts_BP, cache=cache).logits_BSV[:, -1]
+        for _ in range(new_tokens):
+            next_B1 = logits_BV.argmax(-1, keepdim=True)
+            logits_BV = model(next_B1, cache=cache).logits_BSV[:, -1]
+
+
+# --- availability ---------------------------------------------------------------------------------------------------
+
+def _library_missing() -> str | None:
+    from moe_rl.kernels.native import library
+
+    return None if library() is not None else "the C kernels are not built"
+
+
+def _mkl_missing() -> str | None:
+    from moe_rl.kernels.grouped_gemm import single_threaded_mkl
+
+    if _library_missing():
+        return _library_missing()
+    return None if single_threaded_mkl() else "MKL's batched GEMM needs this torch build's MKL and one thread"
+
+
+def _exact_missing() -> str | None:
+    from moe_rl.kernels.grouped_gemm import _FORWARD, exact_plan
+
+    if _mkl_missing():
+        return _mkl_missing()
+    plan = exact_plan(_FORWARD, PAPER["d_model"], 2 * PAPER["d_expert"])
+    return None if plan is not None else "the C loop needs AVX-512 and MKL's summation order at the paper widths"
+
+
+_PLANS = {  # family: (what is missing, or None; the workloads), in the order they are measured
+    "topk": (_library_missing, _topk_workloads),
+    "slots": (_library_missing, _slots_workloads),
+    "rows": (_library_missing, _rows_workloads),
+    "mkl_products": (_mkl_missing, _products_workloads),
+    "exact_products": (_exact_missing, _products_workloads),
+    "rotary": (_library_missing, _rotary_workloads),
+    "decode_attention": (_library_missing, _sampler_workloads),
+    "sampler_experts": (_library_missing, _sampler_workloads),
+}
