@@ -1,5 +1,6 @@
 # Two commands do all of their own set-up on a fresh machine:
-#   make test        create .venv, install, run the test suite
+#   make test        create .venv, install, run the test suite (two workers), then its numerics tests again with
+#                    the instruction sets capped to AVX2 (on CPUs that have more) and to the x86-64 baseline
 #   make reproduce   create .venv, install, run the CPU expert-churn reproduction, compare it with the committed
 #                    results/churn_repro (within the seed CIs?), then write results/churn_repro
 PYTHON ?= python3
@@ -14,7 +15,15 @@ export MKL_NUM_THREADS ?= 1
 # Parallel sweep workers; each gets max(1, cores // workers) torch threads.
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install test reproduce reproduce-all bench clean
+# Caps on the instruction sets of every library here that picks its kernels at run time: torch's own (ATen), MKL,
+# oneDNN and moe-rl's C kernels (moe_rl/kernels/native.py). The numerics tests run under each, so that a result
+# that holds only on this CPU's widest vectors fails here, not on a user's older machine.
+CAP_AVX2     := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 MOE_RL_ISA=avx2
+CAP_BASELINE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 MOE_RL_ISA=baseline
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+TEST_WORKERS ?= 2
+
+.PHONY: install test test-quick test-numerics reproduce reproduce-all bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -25,8 +34,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# Everything: the whole suite (slow end-to-end cases included), then the numerics tests under the ISA caps.
 test: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -n $(TEST_WORKERS)
+	$(MAKE) --no-print-directory test-numerics
+
+# The numerics tests (marked `numerics`: float64 bounds, bit-for-bit kernels, replay, KV cache) under each cap; the
+# AVX2 cap is skipped where AVX2 is already the widest the CPU has (it would repeat the uncapped run).
+test-numerics: install
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+		echo "numerics tests, capped to AVX2"; $(CAP_AVX2) $(PYTEST) -n $(TEST_WORKERS) -m numerics; fi
+	@echo "numerics tests, capped to the x86-64 baseline"
+	$(CAP_BASELINE) $(PYTEST) -n $(TEST_WORKERS) -m numerics
+
+# The suite without the slow end-to-end cases (marked `slow`), for the edit-test loop.
+test-quick: install
+	$(PYTEST) -n $(TEST_WORKERS) -m "not slow"
 
 # The CPU expert-churn reproduction (time: experiments/churn_repro.py; under 30 min on 2 cores): the churn_repro sweep,
 # its report into outputs/churn_repro, then, per cell, whether each new value lies inside the committed 95% CI over
@@ -56,6 +79,11 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_model
 	$(BIN)/python -m benchmarks.bench_step
 	$(BIN)/python -m benchmarks.bench_probes
+
+# On a CUDA machine: bf16 training steps, replay under autocast, grouped_mm throughput, an FSDP2 step and a paper-shaped
+# RL step, into results/bench/gpu.md (benchmarks/gpu_check.py). Without CUDA it says so and writes nothing.
+gpu-check: install
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

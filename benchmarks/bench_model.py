@@ -15,7 +15,9 @@ tests/test_gpu.py, not timed here.
     python -m benchmarks.bench_model            # about 3 minutes on a quiet CPU
     python -m benchmarks.bench_model --quick    # fewer repeats
     python -m benchmarks.bench_model --repeat 21    # more repeats, for a shared machine whose speed drifts
-Writes results/bench/model.md and results/bench/model.csv.
+Each native contender also runs with every kernel family off ('no kernels', what MOE_RL_NATIVE=0 runs), so that the
+table shows what the kernels this machine chose are worth here. Writes results/bench/<CPU class>/model.md and
+model.csv (the class from the CPU and any ISA cap in force: avx512, avx2 or baseline), with the kernel paths taken.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import interleaved, write_csv
+from benchmarks.timing import cpu_class, interleaved, kernels_lines, no_kernels, write_csv
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.moe import Experts
 from moe_rl.rollout import SamplingConfig, generate
@@ -42,6 +44,7 @@ SHAPES = {
 }
 SAMPLER_SHAPES = ("d64 L4 E8 K2 F64", "d64 L8 E128 K8 F32")
 EXPERT_KERNELS = ("grouped", "grouped_mm", "padded", "loop")
+EXPERT_COLUMNS = ("grouped", "grouped, no kernels", "grouped_mm", "padded", "loop")
 
 
 def hf_qwen3_moe(cfg: ModelConfig):
@@ -58,6 +61,13 @@ def hf_qwen3_moe(cfg: ModelConfig):
     model = Qwen3MoeForCausalLM(copy.deepcopy(hf_cfg))
     model.set_experts_implementation("grouped_mm")
     return model
+
+
+def without_kernels(fn):
+    def run():
+        with no_kernels():
+            return fn()
+    return run
 
 
 def native_step(model, ids):
@@ -84,8 +94,8 @@ def bench_fwd_bwd(name: str, repeat: int) -> list[dict]:
     native = MoETransformer(cfg)
     loop = MoETransformer(ModelConfig(**{**kwargs, "dispatch": "loop"}))
     loop.load_state_dict(native.state_dict())
-    times = interleaved({"native": native_step(native, ids), "native loop": native_step(loop, ids),
-                         "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
+    times = interleaved({"native": native_step(native, ids), "native, no kernels": without_kernels(native_step(native, ids)),
+                         "native loop": native_step(loop, ids), "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
     return [{"section": "fwd_bwd", "shape": name, "tokens": f"{batch}x{seq_len}", "contender": c, **t}
             for c, t in times.items()]
 
@@ -111,7 +121,8 @@ def bench_sampler(name: str, repeat: int, batch=64, prompt_len=16, new_tokens=64
             out = hf.generate(ids, attention_mask=valid.long(), generation_config=hf_gen)
         assert out.shape == (batch, prompt_len + new_tokens)
 
-    times = interleaved({"native generate": run_native, "HF generate": run_hf}, repeat)
+    times = interleaved({"native generate": run_native, "native, no kernels": without_kernels(run_native),
+                         "HF generate": run_hf}, repeat)
     return [{"section": "sampler", "shape": name, "tokens": f"{batch}x({prompt_len}+{new_tokens})", "contender": c,
              **t, "tok_s_wall": batch * new_tokens / t["wall"], "tok_s_cpu": batch * new_tokens / t["cpu"]}
             for c, t in times.items()]
@@ -133,6 +144,7 @@ def bench_experts(name: str, repeat: int, tokens: int = 1024) -> list[dict]:
         module = copy.deepcopy(experts)
         module.dispatch = kernel
         fns[kernel] = lambda m=module: m(x_TD, weights_TK, ids_TK).sum().backward()
+    fns["grouped, no kernels"] = without_kernels(fns["grouped"])
     a_ND = torch.randn(tokens * K, D, requires_grad=True)
     w1 = torch.randn(D, 2 * F, requires_grad=True)
     h_NF = torch.randn(tokens * K, F, requires_grad=True)
@@ -156,35 +168,41 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         "# Model, sampler and expert-kernel speed (CPU, 1 thread)", "",
         f"Command: `{command}`  ", f"Machine: {platform.machine()}, {torch.get_num_threads()} torch thread, "
-        f"torch {torch.__version__}. Contenders interleaved; medians of wall and CPU (process) time. "
-        "GPU benchmark: not run (no GPU in this session).", "",
+        f"torch {torch.__version__}, CPU class {cpu_class()}. Contenders interleaved; medians of wall and CPU "
+        "(process) time. 'native' runs the kernel families this machine's measurement chose (below); 'no kernels' "
+        "the torch code everywhere (MOE_RL_NATIVE=0). GPU benchmark: not run here (`make gpu-check`).", "",
+        *kernels_lines(), "",
         "## Forward + backward", "",
-        "| shape | tokens | native | native loop | HF Qwen3-MoE | HF / native (wall) | HF / native (CPU) |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | tokens | native | native, no kernels | native loop | HF Qwen3-MoE | HF / native (wall) "
+        "| HF / native (CPU) | no kernels / native (CPU) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for shape in SHAPES:
         pick = {r["contender"]: r for r in rows if r["section"] == "fwd_bwd" and r["shape"] == shape}
         cell = lambda c: f"{pick[c]['wall'] * 1e3:.1f} ms ({pick[c]['cpu'] * 1e3:.1f} CPU)"
         hf_over_native = {key: _ratio(rows, "fwd_bwd", shape, "native", "HF Qwen3-MoE", key) for key in ("wall", "cpu")}
-        lines.append(f"| {shape} | {pick['native']['tokens']} | {cell('native')} | {cell('native loop')} "
-                     f"| {cell('HF Qwen3-MoE')} | {hf_over_native['wall']:.2f}x | {hf_over_native['cpu']:.2f}x |")
+        plain = _ratio(rows, "fwd_bwd", shape, "native", "native, no kernels", "cpu")
+        lines.append(f"| {shape} | {pick['native']['tokens']} | {cell('native')} | {cell('native, no kernels')} "
+                     f"| {cell('native loop')} | {cell('HF Qwen3-MoE')} | {hf_over_native['wall']:.2f}x "
+                     f"| {hf_over_native['cpu']:.2f}x | {plain:.2f}x |")
     lines += ["", "## Sampling: batch 64, prompt 16, 64 new tokens, every sequence full length", "",
-              "| shape | native tok/s (wall / CPU) | HF generate tok/s (wall / CPU) | native / HF (wall) "
-              "| native / HF (CPU) |", "|---|---|---|---|---|"]
+              "| shape | native tok/s (wall / CPU) | no kernels tok/s (wall / CPU) | HF generate tok/s (wall / CPU) "
+              "| native / HF (wall) | native / HF (CPU) | no kernels / HF (CPU) |", "|---|---|---|---|---|---|---|"]
     for shape in SAMPLER_SHAPES:
         pick = {r["contender"]: r for r in rows if r["section"] == "sampler" and r["shape"] == shape}
-        n, h = pick["native generate"], pick["HF generate"]
-        lines.append(f"| {shape} | {n['tok_s_wall']:,.0f} / {n['tok_s_cpu']:,.0f} | {h['tok_s_wall']:,.0f} / "
-                     f"{h['tok_s_cpu']:,.0f} | {n['tok_s_wall'] / h['tok_s_wall']:.2f}x "
-                     f"| {n['tok_s_cpu'] / h['tok_s_cpu']:.2f}x |")
+        n, p, h = pick["native generate"], pick["native, no kernels"], pick["HF generate"]
+        lines.append(f"| {shape} | {n['tok_s_wall']:,.0f} / {n['tok_s_cpu']:,.0f} | {p['tok_s_wall']:,.0f} / "
+                     f"{p['tok_s_cpu']:,.0f} | {h['tok_s_wall']:,.0f} / {h['tok_s_cpu']:,.0f} "
+                     f"| {n['tok_s_wall'] / h['tok_s_wall']:.2f}x | {n['tok_s_cpu'] / h['tok_s_cpu']:.2f}x "
+                     f"| {p['tok_s_cpu'] / h['tok_s_cpu']:.2f}x |")
     lines += ["", "## Expert matmuls: the `Experts` module alone, 1,024 tokens, forward + backward", "",
               "GFLOP/s of CPU time (share of the dense-matmul limit of equal FLOPs). 'grouped' is the default: it "
               "picks grouped_mm or padded per call.", "",
-              "| shape | " + " | ".join(EXPERT_KERNELS) + " | dense limit |",
-              "|---|" + "---|" * (len(EXPERT_KERNELS) + 1)]
+              "| shape | " + " | ".join(EXPERT_COLUMNS) + " | dense limit |",
+              "|---|" + "---|" * (len(EXPERT_COLUMNS) + 1)]
     for shape in SHAPES:
         pick = {r["contender"]: r for r in rows if r["section"] == "experts" and r["shape"] == shape}
-        cells = [f"{pick[k]['gflops_cpu']:.1f} ({100 * pick[k]['of_dense_cpu']:.0f}%)" for k in EXPERT_KERNELS]
+        cells = [f"{pick[k]['gflops_cpu']:.1f} ({100 * pick[k]['of_dense_cpu']:.0f}%)" for k in EXPERT_COLUMNS]
         lines.append(f"| {shape} | " + " | ".join(cells) + f" | {pick['dense limit']['gflops_cpu']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -195,7 +213,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7,
                         help="interleaved runs per contender for forward+backward (the sampler gets half, at least 3; "
                              "the expert kernels twice as many); raise it on a shared machine whose speed drifts")
-    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for model.md / model.csv")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for model.md / model.csv (default results/bench/<CPU class>: avx512, avx2 or "
+                             "baseline, from the CPU and any ISA cap in force)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     repeat = 3 if args.quick else args.repeat
@@ -208,6 +228,7 @@ def main() -> None:
         rows += bench_experts(shape, repeat * 2)
     command = "python -m benchmarks.bench_model" + (" --quick" if args.quick else "") + \
         (f" --repeat {args.repeat}" if args.repeat != 7 and not args.quick else "")
+    args.out = args.out or Path("results/bench") / cpu_class()
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "model.csv", rows)
     report = markdown(rows, command)

@@ -9,7 +9,8 @@ completions are random text; this times the machinery, not learning.
 
     python -m benchmarks.bench_step            # tiny and paper shapes (a few minutes on a quiet CPU)
     python -m benchmarks.bench_step --quick    # tiny shape only
-Writes results/bench/step.md and results/bench/step.csv.
+Each shape runs with the kernels this machine's measurement chose and with none (MOE_RL_NATIVE=0). Writes
+results/bench/<CPU class>/step.md and step.csv.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 import moe_rl.trainer
-from benchmarks.timing import write_csv
+from benchmarks.timing import cpu_class, kernels_lines, no_kernels, write_csv
 from moe_rl.config import TrainConfig
 from moe_rl.model import ModelConfig
 from moe_rl.probes import ProbeConfig
@@ -56,7 +57,10 @@ class _CPUClock:
     perf_counter = staticmethod(time.process_time)
 
 
-def bench_shape(model: ModelConfig, probes: ProbeConfig, steps: int) -> dict:
+def bench_shape(model: ModelConfig, probes: ProbeConfig, steps: int, kernels: str) -> dict:
+    if kernels == "none":
+        with no_kernels():
+            return bench_shape(model, probes, steps, "measured")
     moe_rl.trainer.time = _CPUClock
     with tempfile.TemporaryDirectory() as out_dir:
         cfg = TrainConfig(out_dir=out_dir, model=model, probes=probes, device="cpu", total_steps=steps + 1)
@@ -79,13 +83,15 @@ def markdown(rows: list[dict], command: str) -> str:
              "seconds from the trainer's time/* metrics (its clock swapped for process time); the last two columns "
              "time the whole "
              "step (wall and CPU of this process; on a loaded machine wall exceeds CPU). Medians over the measured "
-             "steps. GPU benchmark: not run (no GPU in this session).", "",
-             "| shape | probe rows | " + " | ".join(PHASES) + " | probes share | step wall | step CPU |",
-             "|---|---|" + "---|" * (len(PHASES) + 3)]
+             f"steps. CPU class {cpu_class()}; 'measured' runs the kernel families this machine's measurement chose "
+             "(below), 'none' the torch code everywhere (MOE_RL_NATIVE=0). GPU benchmark: `make gpu-check`.", "",
+             *kernels_lines(), "",
+             "| shape | kernels | probe rows | " + " | ".join(PHASES) + " | probes share | step wall | step CPU |",
+             "|---|---|---|" + "---|" * (len(PHASES) + 3)]
     for r in rows:
         total = sum(r[p] for p in PHASES)
         cells = " | ".join(f"{r[p]:.3f} s" for p in PHASES)
-        lines.append(f"| {r['shape']} | {r['probe rows']} | {cells} | {100 * r['probes'] / total:.0f}% "
+        lines.append(f"| {r['shape']} | {r['kernels']} | {r['probe rows']} | {cells} | {100 * r['probes'] / total:.0f}% "
                      f"| {r['step wall']:.2f} s | {r['step CPU']:.2f} s |")
     return "\n".join(lines) + "\n"
 
@@ -94,17 +100,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny shape only")
     parser.add_argument("--steps", type=int, default=1, help="measured rollout steps per shape (after one warm-up)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="folder for step.md / step.csv")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for step.md / step.csv (default results/bench/<CPU class>)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = list(SHAPES)[:1] if args.quick else list(SHAPES)
-    variants = {"default (32 sequences)": ProbeConfig(), "whole batch": ProbeConfig(sequences=None)}
+    variants = {("measured", "default (32 sequences)"): ProbeConfig(), ("none", "default (32 sequences)"): ProbeConfig(),
+                ("measured", "whole batch"): ProbeConfig(sequences=None)}
     rows = []
     for shape in shapes:
-        for name, probes in variants.items():
-            rows.append({"shape": shape, "probe rows": name, **bench_shape(SHAPES[shape], probes, args.steps)})
+        for (kernels, name), probes in variants.items():
+            rows.append({"shape": shape, "kernels": kernels, "probe rows": name,
+                         **bench_shape(SHAPES[shape], probes, args.steps, kernels)})
     command = "python -m benchmarks.bench_step" + (" --quick" if args.quick else "") + \
         (f" --steps {args.steps}" if args.steps != 1 else "")
+    args.out = args.out or Path("results/bench") / cpu_class()
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "step.csv", rows)
     report = markdown(rows, command)

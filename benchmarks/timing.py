@@ -35,3 +35,37 @@ def write_csv(path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def cpu_class() -> str:
+    """The widest vectors the run may use: avx512, avx2 or baseline (the CPU's, less any ISA cap in force)."""
+    from moe_rl.kernels import report
+
+    cpu = report()["cpu"]
+    features, aten = set(cpu["features"]), cpu["aten_capability"].lower()
+    if "avx512f" in features and aten.startswith("avx512") and cpu["kernels_isa"] == "avx512":
+        return "avx512"
+    if "avx2" in features and aten in ("avx2", "avx512", "avx512_vnni", "avx512_bf16") and cpu["kernels_isa"] != "baseline":
+        return "avx2"
+    return "baseline"
+
+
+def no_kernels():
+    """Every kernel family off: what MOE_RL_NATIVE=0 (or a machine without a C compiler) runs."""
+    from moe_rl import kernels
+
+    return kernels.forced(**{family: False for family in kernels.FAMILIES})
+
+
+def kernels_lines() -> list[str]:
+    """Markdown: the CPU, the caps in force and the path each kernel family took in this run."""
+    from moe_rl import kernels
+
+    report = kernels.report()
+    cpu = report["cpu"]
+    caps = ", ".join(f"{k}={v}" for k, v in cpu["caps"].items()) or "none"
+    lines = [f"CPU: {cpu['model']} ({', '.join(cpu['features'])}); torch kernels {cpu['aten_capability']}, MKL "
+             f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels built for {cpu['kernels_isa']}; ISA caps: {caps}.", "",
+             "| kernel family | used | why |", "|---|---|---|"]
+    lines += [f"| {name} | {'yes' if c['used'] else 'no'} | {c['why']} |" for name, c in report["families"].items()]
+    return lines

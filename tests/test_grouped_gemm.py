@@ -13,7 +13,7 @@ from moe_rl.model import MoETransformer
 from moe_rl.model.moe import grouped_mm
 
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
-pytestmark = pytest.mark.usefixtures("kernels_on")
+pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics]
 
 
 def _sorted_rows(counts_E: torch.Tensor, d_in: int, d_out: int):

@@ -18,7 +18,7 @@ from moe_rl.model.moe import sort_slots, topk_indices
 from moe_rl.rollout import SamplingConfig, generate
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
-pytestmark = pytest.mark.usefixtures("kernels_on")
+pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics]
 
 
 def _kernel_unclear_rows(scores_TE: torch.Tensor, k: int) -> list[int]:

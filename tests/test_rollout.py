@@ -44,6 +44,7 @@ def _model_for(head_dim: int):
     return model
 
 
+@pytest.mark.numerics
 @DECODE_PATHS
 def test_kv_cache_gives_the_same_next_token_distributions_as_a_full_forward(head_dim):
     model = _model_for(head_dim)
@@ -64,6 +65,7 @@ def test_kv_cache_gives_the_same_next_token_distributions_as_a_full_forward(head
             )
 
 
+@pytest.mark.numerics
 @DECODE_PATHS
 def test_sampler_logprobs_equal_a_full_forward_and_routing_trace_matches(head_dim):
     model = _model_for(head_dim)
@@ -81,6 +83,7 @@ def test_sampler_logprobs_equal_a_full_forward_and_routing_trace_matches(head_di
     assert (out.logprobs_BN[~mask] == 0).all()
 
 
+@pytest.mark.numerics
 @DECODE_PATHS
 def test_cached_and_uncached_sampling_draw_the_same_tokens(head_dim):
     model = _model_for(head_dim)

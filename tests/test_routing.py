@@ -16,6 +16,7 @@ def _router_grads(model):
     return [layer.router.gate.weight.grad.clone() for layer in model.moe_layers()]
 
 
+@pytest.mark.numerics
 def test_replaying_a_recorded_trace_reproduces_logits_and_router_gradients_exactly():
     model = tiny_model()
     ids, valid = _batch()

@@ -1,0 +1,129 @@
+"""Which kernel families run: measured once per machine, cached, overridable, recorded; and the seam itself."""
+
+import json
+
+import pytest
+import torch
+
+import moe_rl.kernels.measure as measure
+import moe_rl.kernels.selection as selection
+from moe_rl import kernels
+from moe_rl.kernels import native
+from moe_rl.model import replaceable
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    """An empty cache folder for the choice (the compiled library stays loaded) and no choice yet in this process."""
+    monkeypatch.setattr(native, "cache_folder", lambda: tmp_path)
+    monkeypatch.delenv("MOE_RL_KERNELS", raising=False)
+    selection.reset()
+    yield tmp_path
+    selection.reset()
+
+
+def test_every_fast_implementation_replaces_a_model_function_of_a_known_family():
+    assert set(replaceable._FAST) <= set(replaceable._FAMILY_OF)
+    assert set(replaceable._FAMILY_OF.values()) <= set(kernels.FAMILIES)
+    assert set(measure._PLANS) == set(kernels.FAMILIES)
+
+
+@needs_native
+def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh_choice, monkeypatch):
+    state = torch.random.get_rng_state()
+    chosen = selection.choices()
+    assert torch.equal(torch.random.get_rng_state(), state), "the measurement must not draw from the global RNG"
+    (written,) = fresh_choice.glob("kernel_choice_*.json")
+    assert json.loads(written.read_text()) == chosen
+    for family, choice in chosen.items():
+        assert isinstance(choice["used"], bool) and choice["why"], family
+        if choice["why"].startswith("measured"):
+            assert len(choice["fast_s"]) == len(choice["reference_s"]) > 0
+    selection.reset()
+    monkeypatch.setattr(selection, "measure_all", lambda forced: pytest.fail("measured again despite the cache"))
+    assert selection.choices() == chosen
+
+
+@pytest.mark.parametrize("ratio, inexact, used", [(0.5, False, True), (0.96, False, True), (1.2, False, False),
+                                                  (0.96, True, False), (0.8, True, True)])
+def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkeypatch):
+    family = "sampler_experts" if inexact else "topk"
+    monkeypatch.setattr(measure, "_PLANS", {family: (lambda: None, lambda: [None, None])})
+    monkeypatch.setattr(measure, "_race", lambda forced, f, work, others: [(ratio, 1.0), (ratio * 2, 2.0)])
+    chosen = measure.measure_all(selection.forced)
+    assert chosen[family]["used"] is used
+    assert chosen[family]["why"] == f"measured: {ratio:.2f}x the torch time"
+
+
+def test_an_unavailable_family_is_off_and_says_why(monkeypatch):
+    monkeypatch.setattr(measure, "_PLANS", {"exact_products": (lambda: "needs AVX-512", lambda: pytest.fail())})
+    assert measure.measure_all(selection.forced) == {"exact_products": {"used": False,
+                                                                        "why": "unavailable: needs AVX-512"}}
+
+
+@pytest.mark.parametrize("setting, expect", [("none", {}), ("all", {"exact_products": False}),
+                                             ("topk=off,slots=on", {"topk": False, "slots": True})])
+def test_moe_rl_kernels_overrides_the_measurement(setting, expect, fresh_choice, monkeypatch):
+    measured = {family: {"used": index % 2 == 0, "why": "measured: 1.00x the torch time"}
+                for index, family in enumerate(kernels.FAMILIES)}
+    measured["exact_products"] = {"used": False, "why": "unavailable: needs AVX-512"}
+    monkeypatch.setattr(selection, "_measured_or_cached", lambda: measured)
+    monkeypatch.setenv("MOE_RL_KERNELS", setting)
+    overridden = selection.choices()
+    default = {"none": False, "all": True}.get(setting)
+    for family in kernels.FAMILIES:
+        want = expect.get(family, measured[family]["used"] if default is None else default)
+        assert overridden[family]["used"] is want, family
+        assert ("MOE_RL_KERNELS" in overridden[family]["why"]) is (family in expect or default is not None), family
+
+
+def test_a_bad_moe_rl_kernels_value_names_the_families(fresh_choice, monkeypatch):
+    monkeypatch.setenv("MOE_RL_KERNELS", "topk=fast")
+    with pytest.raises(ValueError, match="MOE_RL_KERNELS: 'topk=fast' is not family=on|off"):
+        selection.choices()
+
+
+def test_forced_families_win_and_unknown_ones_are_refused():
+    with kernels.forced(topk=False):
+        assert not kernels.enabled("topk")
+        with kernels.forced(topk=True):
+            assert kernels.enabled("topk")
+        assert not kernels.enabled("topk")
+    with pytest.raises(ValueError, match="unknown kernel families"):
+        with kernels.forced(fastest=True):
+            pass
+
+
+def test_the_report_names_the_cpu_the_caps_and_every_family(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    report = kernels.report()
+    assert set(report["families"]) == set(kernels.FAMILIES)
+    assert report["cpu"]["caps"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert report["cpu"]["threads"] == torch.get_num_threads()
+    assert {"model", "features", "aten_capability", "mkl", "kernels_isa"} <= set(report["cpu"])
+
+
+def test_a_bad_isa_cap_is_refused(monkeypatch):
+    monkeypatch.setenv("MOE_RL_ISA", "avx1024")
+    with pytest.raises(ValueError, match="MOE_RL_ISA='avx1024': must be one of avx512, avx2, baseline"):
+        native.isa_cap()
+
+
+def test_a_reference_runs_where_its_family_is_off(monkeypatch):
+    """The dispatcher calls the torch reference when the family is off, the kernel when it is on and serves."""
+    from moe_rl.model.moe import sort_slots
+
+    calls = []
+    monkeypatch.setitem(replaceable._FAST, "sort_slots", lambda *args: calls.append(args) or NotImplemented)
+    ids_TK = torch.tensor([[2, 0], [1, 2]])
+    with kernels.forced(slots=False):
+        off = sort_slots(ids_TK, 3)
+    assert calls == []
+    with kernels.forced(slots=True):
+        declined = sort_slots(ids_TK, 3)
+    assert len(calls) == 1  # asked, declined (NotImplemented): the reference ran
+    for a, b in zip(off, declined):
+        assert torch.equal(a, b)
+    assert torch.equal(off.order_N, torch.tensor([1, 2, 0, 3]))
