@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import moe_rl.kernels  # noqa: F401  (the CPU fast paths: loaded before a run writes its manifest, which records them)
 from moe_rl.errors import ConfigError, DataError
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS

@@ -127,3 +127,11 @@ def test_a_reference_runs_where_its_family_is_off(monkeypatch):
     for a, b in zip(off, declined):
         assert torch.equal(a, b)
     assert torch.equal(off.order_N, torch.tensor([1, 2, 0, 3]))
+
+
+def test_a_cpu_run_manifest_records_the_kernel_paths():
+    from moe_rl.runs.provenance import environment
+
+    facts = environment("cpu")
+    assert facts["kernels"]["families"] == kernels.report()["families"]
+    assert facts["kernels"]["cpu"]["aten_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -22,7 +22,9 @@ recorded in every run's manifest and benchmark (`selection.report()`).
 from moe_rl.kernels import attention, grouped_gemm, rows, sampler, topk  # noqa: F401  (register implementations)
 from moe_rl.kernels.selection import FAMILIES, choices, enabled, forced, report
 from moe_rl.model import replaceable
+from moe_rl.runs.provenance import CPU_FACTS
 
 replaceable.install(enabled)
+CPU_FACTS["kernels"] = report  # every CPU run's manifest records the kernel paths it takes
 
 __all__ = ["FAMILIES", "choices", "enabled", "forced", "report"]

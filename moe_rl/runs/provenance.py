@@ -77,9 +77,15 @@ def describe_device(device: str | torch.device | None = None) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
+# Facts that packages above this floor add to every CPU run's manifest: name -> fact(). moe_rl.kernels registers
+# "kernels" (the CPU, its caps and the path each kernel family takes) when it is imported.
+CPU_FACTS: dict[str, Any] = {}
+
+
 def environment(device: str | torch.device | None) -> dict[str, Any]:
-    """What may differ between a run and its resume: machine, device, code version, command line."""
-    return {
+    """What may differ between a run and its resume: machine, device, code version, command line, and on CPU the
+    kernel paths (CPU_FACTS)."""
+    facts = {
         "host": socket.gethostname(),
         "device": describe_device(device),
         "world_size": _world_size(),
@@ -87,6 +93,9 @@ def environment(device: str | torch.device | None) -> dict[str, Any]:
         "git": git_state(Path(__file__).parent),
         "packages": package_versions(),
     }
+    if describe_device(device) == "cpu":
+        facts.update({name: fact() for name, fact in CPU_FACTS.items()})
+    return facts
 
 
 def _world_size() -> int:
