@@ -209,7 +209,8 @@ def test_a_failing_run_does_not_stop_the_others_and_a_rerun_retries_only_it(tmp_
     before = [(d / "manifest.json").read_text() for d in run_dirs[:2]]
 
     shutil.copy(run_dirs[0] / "checkpoints" / "latest.pt", missing)  # fix the cause, then re-run the sweep
-    assert [planned_action(r)[0] for r in plan.runs] == ["skip", "skip", "restart"]
+    # the refused --init-from left no directory behind, so the run starts (not restarts)
+    assert [planned_action(r)[0] for r in plan.runs] == ["skip", "skip", "start"]
     lines = []
     index = run_local(plan_sweep(experiment(grid, labels={"init_from": "init"}), tmp_path / "s"), workers=2,
                       echo=lines.append)

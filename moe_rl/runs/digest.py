@@ -37,24 +37,34 @@ def metrics_digest(run_dir: str | os.PathLike, before_step: int) -> dict[str, An
     path = Path(run_dir) / METRICS
     if not path.is_file():
         return None
-    kept = [(line, record["step"]) for line, record in complete_lines(path) if isinstance(record.get("step"), int) and record["step"] < before_step]
+    kept = [(line, record["step"]) for line, record in complete_lines(path)
+            if isinstance(record.get("step"), int) and record["step"] < before_step]
     last = max((step for _, step in kept), default=None)
     return {"lines": len(kept), "last_step": last, "sha256": text_sha256("".join(line + "\n" for line, _ in kept))}
 
 
 def check_resumable_dir(run_dir: Path, step: int, manifest: dict[str, Any], checkpoint: Path) -> None:
-    """Refuse to continue `run_dir` from `checkpoint` (at `step`) when the metrics of the steps before it are missing,
-    shorter or changed, or when the checkpoint is not the one the run saved under that name (manifest `checkpoints`).
-    A run without records (from before they were kept) is checked for missing and short metrics only."""
+    """Refuse to continue `run_dir` from `checkpoint` (at `step`) when it is not the file the run saved under that
+    name, or when the metrics of the steps before it are missing, shorter or changed (manifest `checkpoints`). A run
+    without records (from before they were kept) is checked for missing and short metrics only."""
     fresh = f"start a new run (another --out-dir) from it with --init-from {checkpoint}"
-    saved = manifest.get("checkpoints", {}).get(checkpoint.name) if isinstance(manifest.get("checkpoints"), dict) \
-        else None
-    if isinstance(saved, dict) and saved.get("step") == step and saved.get("sha256") not in (None, file_sha256(
-            checkpoint)):
+    saved = _saved_record(manifest, checkpoint.name, step)
+    if saved.get("sha256") not in (None, file_sha256(checkpoint)):
         raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is not the checkpoint this run saved at step {step} "
                           f"(its sha256 differs from the manifest's); put the run's own file back, or {fresh}")
-    if step == 0:
-        return
+    if step > 0:
+        _check_metrics(run_dir, step, saved.get("metrics"), fresh)
+
+
+def _saved_record(manifest: dict[str, Any], name: str, step: int) -> dict[str, Any]:
+    """The manifest's record of checkpoint `name` if it was saved at `step` (an older one was overwritten), else {}.
+    A kill between a save and its record leaves a newer checkpoint than the record: it is then not checked."""
+    records = manifest.get("checkpoints")
+    record = records.get(name) if isinstance(records, dict) else None
+    return record if isinstance(record, dict) and record.get("step") == step else {}
+
+
+def _check_metrics(run_dir: Path, step: int, recorded: dict[str, Any] | None, fresh: str) -> None:
     metrics = metrics_digest(run_dir, step)
     if metrics is None:
         raise ConfigError(f"cannot resume {run_dir}: {METRICS} is missing, but the checkpoint is at step {step}: "
@@ -63,7 +73,6 @@ def check_resumable_dir(run_dir: Path, step: int, manifest: dict[str, Any], chec
         held = "no step" if metrics["last_step"] is None else f"steps up to {metrics['last_step']}"
         raise ConfigError(f"cannot resume {run_dir}: {METRICS} holds {held}, but the checkpoint is at step {step} "
                           f"(steps 0-{step - 1} were logged); restore the file, or {fresh}")
-    recorded = saved.get("metrics") if isinstance(saved, dict) and saved.get("step") == step else None
     if isinstance(recorded, dict) and recorded.get("sha256") != metrics["sha256"]:
         raise ConfigError(f"cannot resume {run_dir}: the {METRICS} lines of steps 0-{step - 1} changed since the "
                           f"checkpoint was saved ({recorded.get('lines')} lines then, {metrics['lines']} now); "
