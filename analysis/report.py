@@ -48,11 +48,12 @@ from moe_rl.errors import check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
 
-FINAL_METRICS = ("reward", "eval/reward", "completions/mean_length", "routing/update/churn",
+FINAL_METRICS = ("reward", "eval/reward", "eval/greedy", "completions/mean_length", "routing/update/churn",
                  "routing/update/set_change", "routing/update/token_any", "routing/rollout/set_change",
                  "routing/rollout/token_any", "update/kl",
                  "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")
-CURVE_METRICS = ("reward", "eval/reward", "completions/mean_length", "routing/update/churn", "routing/update/set_change",
+CURVE_METRICS = ("reward", "eval/reward", "eval/greedy", "completions/mean_length", "routing/update/churn",
+                 "routing/update/set_change",
                  "routing/update/token_any", "routing/staleness/churn",
                  "routing/rollout/churn", "update/kl", "clip_ratio/region_mean", "ratio/log_std",
                  "ratio/extreme_frac")

@@ -36,6 +36,7 @@ from moe_rl.evaluation import Accuracy, accuracy, greedy
 from moe_rl.model import ModelConfig
 from moe_rl.rollout import SamplingConfig
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, load_checkpoint
+from moe_rl.runs.runlog import read_config
 from moe_rl.sweep.overrides import from_dict, parse_assignments, with_overrides
 from moe_rl.tasks import TaskConfig, build_task
 from moe_rl.tasks.gym import HELD_OUT_RESERVE
@@ -104,7 +105,7 @@ def eval_data(run: Path, overrides: tuple[str, ...]) -> EvalData:
     """The run's task and sampler (config.json of moe-rl train or sft; the defaults without one), then `overrides`."""
     data = EvalData()
     if (run / "config.json").is_file():
-        saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+        saved = read_config(run)
         sampling = saved.get("rollout", {}).get("sampling", saved.get("sampling", {}))
         data = EvalData(from_dict(TaskConfig, saved.get("task", {})), from_dict(SamplingConfig, sampling))
     return with_overrides(data, parse_assignments(overrides), what="--set") if overrides else data

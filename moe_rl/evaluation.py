@@ -83,8 +83,8 @@ def accuracy(model, task, tokenizer, split: str, n_prompts: int, sampling: Sampl
 def heldout_metrics(model, task, tokenizer, sampling: SamplingConfig, n_prompts: int, samples: int,
                     with_greedy: bool, seed: int) -> dict[str, float]:
     """The eval/* metrics of a training run (docs/metrics.md): `eval/reward` at the sampling temperature, mean of
-    `samples` completions per held-out prompt (with samples = 1 exactly the number older runs logged), its SE, and
-    with `with_greedy` the greedy accuracy and its SE."""
+    `samples` completions per held-out prompt (with samples = 1 and n_prompts <= ROWS_PER_CHUNK exactly the number
+    older runs logged), its SE, and with `with_greedy` the greedy accuracy and its SE."""
     sampled = accuracy(model, task, tokenizer, "eval", n_prompts, sampling, samples, seed)
     metrics = {"eval/reward": sampled.mean, "eval/reward_se": sampled.se}
     if with_greedy:
