@@ -208,3 +208,24 @@ def test_a_generated_task_is_hashed_by_its_problems():
     assert digest() == digest()
     assert digest(seed=1) != digest()
     assert digest(max_terms=4) != digest()
+
+
+def test_latest_replaced_by_an_older_checkpoint_is_refused_and_a_rollback_resumes(made):
+    run = copy(made, "older_latest")
+    shutil.copy(run / "checkpoints" / "step_000002.pt", run / "checkpoints" / "latest.pt")
+    before = files(run)
+    assert_refused(resume(run, "--resume"), run, before, "latest.pt is at step 2 but step_000004.pt is newer",
+                   "--resume-from")
+    (run / "checkpoints" / "step_000004.pt").unlink()
+    before = files(run)
+    assert_refused(resume(run, "--resume"), run, before, "latest.pt is at step 2, but the run saved step 4 last")
+
+    # a rollback on purpose: the newer checkpoint moved away, then --resume-from the older one
+    (run / "checkpoints" / "latest.pt").unlink()
+    code, _, err = resume(run, "--resume-from", run / "checkpoints" / "step_000002.pt", steps=3)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == \
+        [0, 0, 1, 1, 2, 2]
+    assert {r["step"] for r in json.loads((run / "manifest.json").read_text())["checkpoints"].values()} == {2, 3}
+    code, _, err = resume(run, "--resume", steps=4)  # the rolled-back run resumes as usual
+    assert code == 0, err

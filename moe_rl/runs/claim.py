@@ -161,6 +161,11 @@ def _classify(path: Path, resume: bool, total_steps: int, resume_flag: str | Non
             "choose another --out-dir, or delete it"
         raise RunExistsError(f"{path} already holds a {status or 'stopped'} run with a checkpoint at step {step}; "
                              f"{how}")
+    newer = [p.name for s, p in kept if s > step]
+    if newer:  # latest.pt replaced by an older file: continuing from it would overwrite the kept newer ones
+        raise ConfigError(f"{path / CHECKPOINTS / LATEST} is at step {step} but {', '.join(newer)} is newer: nothing "
+                          f"was changed. Continue from the newest with --resume-from {kept[-1][1]}, or move the newer "
+                          "ones out of the directory to roll back")
     if total_steps < step:
         raise ConfigError(f"--total-steps {total_steps} is below the step of {path}'s checkpoint ({step}); a resume "
                           "only continues a run: pass --total-steps >= its step")
@@ -236,6 +241,8 @@ def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any,
     if claim.action == "resume":
         run = RunDir(claim.path, config, resume=True, seed=seed, device=device)
         run.manifest["resumes"][-1]["from"] = {"checkpoint": claim.checkpoint.name, "step": claim.step}
+        records = run.manifest.get("checkpoints", {})  # after a rollback: the newer files were moved away
+        run.manifest["checkpoints"] = {name: r for name, r in records.items() if r.get("step", 0) <= claim.step}
         latest = claim.path / CHECKPOINTS / LATEST
         if not latest.exists():  # --resume-from after latest.pt was deleted: the directory is whole again
             link_copy(claim.checkpoint, latest)

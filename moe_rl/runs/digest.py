@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import ConfigError
+from moe_rl.runs.checkpoint import LATEST
 from moe_rl.runs.jsonlog import complete_lines
 
 METRICS = "metrics.jsonl"
@@ -48,6 +49,10 @@ def check_resumable_dir(run_dir: Path, step: int, manifest: dict[str, Any], chec
     name, or when the metrics of the steps before it are missing, shorter or changed (manifest `checkpoints`). A run
     without records (from before they were kept) is checked for missing and short metrics only."""
     fresh = f"start a new run (another --out-dir) from it with --init-from {checkpoint}"
+    last = _last_saved_step(manifest)
+    if checkpoint.name == LATEST and last is not None and last > step:
+        raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is at step {step}, but the run saved step {last} "
+                          f"last (manifest.json): it was replaced by an older file. Put the newest back, or {fresh}")
     saved = _saved_record(manifest, checkpoint.name, step)
     if saved.get("sha256") not in (None, file_sha256(checkpoint)):
         raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is not the checkpoint this run saved at step {step} "
@@ -62,6 +67,12 @@ def _saved_record(manifest: dict[str, Any], name: str, step: int) -> dict[str, A
     records = manifest.get("checkpoints")
     record = records.get(name) if isinstance(records, dict) else None
     return record if isinstance(record, dict) and record.get("step") == step else {}
+
+
+def _last_saved_step(manifest: dict[str, Any]) -> int | None:
+    records = manifest.get("checkpoints")
+    steps = [r.get("step") for r in records.values() if isinstance(r, dict)] if isinstance(records, dict) else []
+    return max((s for s in steps if isinstance(s, int)), default=None)
 
 
 def _check_metrics(run_dir: Path, step: int, recorded: dict[str, Any] | None, fresh: str) -> None:
