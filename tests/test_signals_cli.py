@@ -2,8 +2,8 @@
 checkpoint is saved, the manifest says `interrupted` with the step, one line says how to resume, the exit status is
 128 + the signal; the resumed run gives the metrics of a run that was never stopped.
 
-The interrupted commands are real processes (a signal is about processes); the reference and resumed runs go through
-`moe_rl.cli.main` in this process.
+A quick case sends the signal from inside a step of `moe_rl.cli.main` in this process; the slow ones signal real
+processes (train, sft, a sweep driver), and their reference and resumed runs go through `moe_rl.cli.main` here.
 """
 
 from __future__ import annotations
@@ -61,9 +61,33 @@ def metrics_without_time(run: Path) -> list[dict]:
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130),
-                                            pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
-def test_train_stops_at_a_step_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path, signum, status):
+def test_a_signal_in_process_ends_train_after_its_step_with_a_checkpoint(tmp_path, monkeypatch):
+    """The quick version of the case below: the signal comes from inside the first rollout step."""
+    import moe_rl.trainer
+
+    rl_step = moe_rl.trainer.Trainer.rl_step
+
+    def step_then_ctrl_c(self, write):
+        rl_step(self, write)
+        if self.step == 1:  # the second step: SIGINT while it runs
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(moe_rl.trainer.Trainer, "rl_step", step_then_ctrl_c)
+    run = tmp_path / "run"
+    code, out, err = cli(*TRAIN, "--out-dir", run, "--total-steps", "5", "--quiet")
+    assert code == 130 and out == ""
+    assert err.splitlines() == [f"interrupted at step 2; resume with: moe-rl train --config-file {run / 'config.json'} "
+                                "--resume"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and manifest["reason"] == "SIGINT at step 2"
+    assert manifest["interrupted"] == {"signal": "SIGINT", "at_step": 2, "resumes_from_step": 2}
+    assert manifest["checkpoints"]["latest.pt"]["step"] == 2  # checkpoint_every is 100: saved for the signal
+    assert {json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()} == {0, 1}
+
+
+@pytest.mark.slow
+def test_train_stops_at_a_step_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path):
+    signum, status = signal.SIGINT, 130  # SIGTERM (143) takes the same path: the sft and sweep cases send it
     run = tmp_path / "run"
     done = signalled([*TRAIN, "--out-dir", run, "--total-steps", "400", "--quiet"], run, signum)
     assert done.returncode == status, done.stderr
@@ -91,13 +115,14 @@ def test_train_stops_at_a_step_with_a_checkpoint_and_resumes_as_if_never_stopped
 @pytest.mark.slow
 def test_sft_stops_cleanly_and_says_it_starts_over(tmp_path):
     run = tmp_path / "sft"
-    done = signalled([*SFT, "--out-dir", run, "--steps", "5000"], run, signal.SIGINT)
-    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    done = signalled([*SFT, "--out-dir", run, "--steps", "5000"], run, signal.SIGTERM)
+    assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr
     manifest = json.loads((run / "manifest.json").read_text())
     step = manifest["interrupted"]["at_step"]
     assert done.stderr.strip().splitlines() == [f"interrupted at step {step}; sft has no resume: the same command "
                                                 f"starts it over ({run})"]
-    assert manifest["status"] == "interrupted" and not (run / "checkpoints" / "latest.pt").exists()
+    assert manifest["status"] == "interrupted" and manifest["interrupted"]["signal"] == "SIGTERM"
+    assert not (run / "checkpoints" / "latest.pt").exists()
 
 
 def test_a_second_signal_abandons_the_step_at_once():
