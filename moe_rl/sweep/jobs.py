@@ -165,7 +165,7 @@ class Workers:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._running: set[subprocess.Popen] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a second signal may arrive inside `forward`
 
     def run(self, command: list[str], **popen) -> int | None:
         """Run `command` to its end; its exit status, or None when a signal came first and it was not started."""
