@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_rl.model.replaceable import replaceable
 from moe_rl.model.config import ModelConfig
 from moe_rl.model.layers import SwiGLU, engine_router_dtype
+from moe_rl.model.replaceable import replaceable
 
 
 class RouterOutput(NamedTuple):
@@ -26,8 +26,8 @@ class RouterOutput(NamedTuple):
 
     weights_TK: torch.Tensor  # gate weights, gathered from scores_TE at ids_TK (renormalised if configured)
     ids_TK: torch.Tensor  # int64 expert ids
-    scores_TE: torch.Tensor  # softmax over all experts, fp32
-    logits_TE: torch.Tensor  # pre-softmax router logits, fp32
+    scores_TE: torch.Tensor  # softmax over all experts, fp32 (float64 in a float64 model)
+    logits_TE: torch.Tensor  # pre-softmax router logits, fp32 (float64 in a float64 model)
 
 
 class Router(nn.Module):
