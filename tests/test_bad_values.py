@@ -325,6 +325,7 @@ def test_probe_trace_checks_token_ids_against_the_checkpoints_vocabulary(hf_chec
     assert rows and "set_change" in out
 
 
+@pytest.mark.slow  # the report's figures take seconds; the first-hour walk-through checks this default too
 def test_report_writes_next_to_the_runs_by_default_never_into_results(finished_run, tmp_path, monkeypatch):
     import shutil
 
