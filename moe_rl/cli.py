@@ -129,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: error: out of memory ({str(err).strip().splitlines()[-1][:200]}); lower "
               "--rollout.sampling.max-new-tokens, the rows per step or the model's size", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt as err:  # SIGINT or SIGTERM before a run was open (train and sft note theirs)
-        print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before the run started; nothing was written",
-              file=sys.stderr)
+    except KeyboardInterrupt as err:  # outside train's and sft's loops, which end their runs themselves
+        print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
 
