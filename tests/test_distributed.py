@@ -76,12 +76,20 @@ def test_torchrun_trains_and_rank_0_logs_each_update_once(ddp_run):
     assert checkpoint["world_size"] == 2 and len(checkpoint["generators_by_rank"]) == 2
 
 
+def _roll_back_to_step_1(run: Path) -> None:
+    """As if the run had been killed after step 1: the newer checkpoints moved away (a resume from an older one
+    while they remain is refused), the run then continued with --resume-from the step-1 checkpoint."""
+    for newer in ("step_000002.pt", "latest.pt"):
+        (run / "checkpoints" / newer).unlink()
+
+
 def test_torchrun_resume_continues_every_rank_exactly(ddp_run, tmp_path):
     resumed = tmp_path / "run"
     shutil.copytree(ddp_run, resumed)
-    shutil.copy(resumed / "checkpoints" / "step_000001.pt", resumed / "checkpoints" / "latest.pt")
+    _roll_back_to_step_1(resumed)
     out = _torchrun("-m", "moe_rl.cli", "train", "--out-dir", "run", "--total-steps", "2", "--checkpoint-every", "1",
-                    "--keep-every", "1", "--log.samples-every", "1", "--resume", *TINY_ARGS, cwd=tmp_path)
+                    "--keep-every", "1", "--log.samples-every", "1", "--resume-from",
+                    "run/checkpoints/step_000001.pt", *TINY_ARGS, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-8000:]
     assert _comparable(metric_lines(resumed)) == _comparable(metric_lines(ddp_run))  # CPU: bit for bit
     final, again = (torch.load(run / "checkpoints" / "latest.pt", weights_only=True)["model"]
@@ -103,11 +111,11 @@ NAN_ON_RANK_1 = """
             trainer_module.Trainer._loss = nan_loss
         else:  # non-finite logits while sampling step 1 on rank 1
             generate_groups, calls = trainer_module.generate_groups, []
-            def failing(*args):
+            def failing(*args, **kwargs):
                 calls.append(args)
                 if len(calls) == 2:
                     raise FloatingPointError("the model produced non-finite logits while sampling")
-                return generate_groups(*args)
+                return generate_groups(*args, **kwargs)
             trainer_module.generate_groups = failing
     sys.exit(main(["train", *sys.argv[2:]]))
 """

@@ -148,8 +148,10 @@ def test_torchrun_fsdp2_trains_with_every_probe_and_saves_whole_tensors(fsdp2_ru
 def test_torchrun_fsdp2_resume_continues_exactly(fsdp2_run, tmp_path):
     resumed = tmp_path / "run"
     shutil.copytree(fsdp2_run, resumed)
-    shutil.copy(resumed / "checkpoints" / "step_000001.pt", resumed / "checkpoints" / "latest.pt")
-    out = _torchrun("-m", "moe_rl.cli", "train", *FSDP2_ARGS, "--resume", cwd=tmp_path)
+    for newer in ("step_000002.pt", "latest.pt"):  # as if killed after step 1 (see test_distributed.py)
+        (resumed / "checkpoints" / newer).unlink()
+    out = _torchrun("-m", "moe_rl.cli", "train", *FSDP2_ARGS, "--resume-from", "run/checkpoints/step_000001.pt",
+                    cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-8000:]
     strip = lambda lines: [{k: v for k, v in line.items() if not k.startswith("time/") and k != "wall_time"}
                            for line in lines]
