@@ -143,6 +143,25 @@ def test_resume_with_a_different_config_names_the_key(tmp_path):
     assert read_config(tmp_path / "tiny")["optim"]["lr"] == 1e-3  # the saved config is untouched
 
 
+@pytest.mark.parametrize("betas, resumes", [((0.9, 0.95), True), ((0.8, 0.95), False)])
+def test_a_field_added_since_the_run_started_resumes_only_at_its_default(tmp_path, betas, resumes):
+    """A run from before optim.betas existed (its config.json lacks it) resumes when the new field holds its
+    default, the behaviour the run had; with another value that is a change, and refused."""
+    import json
+
+    RunDir(tmp_path / "tiny", TinyConfig()).mark_failed("killed")
+    saved = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    del saved["optim"]["betas"]
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(saved))
+    resumed = TinyConfig(optim=OptimConfig(betas=betas))
+    if resumes:
+        RunDir(tmp_path / "tiny", resumed, resume=True)
+        assert read_config(tmp_path / "tiny")["optim"]["betas"] == [0.9, 0.95]
+    else:
+        with pytest.raises(ConfigError, match=r"optim\.betas: saved '<absent>', now \[0\.8, 0\.95\]"):
+            RunDir(tmp_path / "tiny", resumed, resume=True)
+
+
 def test_resume_of_a_missing_run_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         RunDir(tmp_path / "never-ran", TinyConfig(), resume=True)

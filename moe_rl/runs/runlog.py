@@ -126,11 +126,32 @@ def _may_change_on_resume(key: str, allowed: Iterable[str]) -> bool:
     return any(entry == key or ("." not in entry and entry == leaf) for entry in allowed)
 
 
-def check_resumable(saved: Mapping, new: Mapping, may_change: Iterable[str], where: Path) -> dict[str, tuple]:
-    """Refuse to resume when the config changed outside `may_change`; return the changes that are allowed."""
+def field_defaults(config: Any) -> dict[str, Any]:
+    """{dotted key: default} of a (nested) dataclass config's fields that have a default, as JSON data."""
+    defaults: dict[str, Any] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            defaults.update({f"{field.name}.{k}": v for k, v in field_defaults(value).items()})
+        elif field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+    return flatten(json.loads(json.dumps(defaults, default=_json_default)))
+
+
+def check_resumable(saved: Mapping, new: Mapping, may_change: Iterable[str], where: Path,
+                    defaults: Mapping[str, Any] | None = None) -> dict[str, tuple]:
+    """Refuse to resume when the config changed outside `may_change`; return the changes that are allowed. A field
+    that the saved config lacks and the new one holds at its default (`defaults`) is one added to moe-rl since the
+    run started: the run ran with that default's behaviour, so it is no change."""
     may_change = tuple(may_change)
     differences = config_differences(saved, new)
-    refused = {key: pair for key, pair in differences.items() if not _may_change_on_resume(key, may_change)}
+    defaults = defaults or {}
+    added = {key for key, (old, value) in differences.items()
+             if old == ABSENT and key in defaults and _same(key, defaults[key], value)}
+    refused = {key: pair for key, pair in differences.items()
+               if not _may_change_on_resume(key, may_change) and key not in added}
     if refused:
         lines = "\n".join(f"  {key}: saved {old!r}, now {new!r}" for key, (old, new) in refused.items())
         raise ConfigError(
@@ -175,6 +196,7 @@ class RunDir:
         may_change_on_resume: Sequence[str] = RESUMABLE_FIELDS,
     ):
         self.path = Path(path)
+        self.defaults = field_defaults(config) if dataclasses.is_dataclass(config) else {}
         self.config = config_to_dict(config)
         self.config_path = self.path / "config.json"
         self.manifest_path = self.path / "manifest.json"
@@ -207,7 +229,7 @@ class RunDir:
         if not self.config_path.exists():
             raise FileNotFoundError(f"nothing to resume in {self.path}: it has no config.json; start a new run instead")
         # Both files are read and checked before either is written: a resume that is refused changes nothing.
-        changed = check_resumable(read_config(self.path), self.config, may_change, self.path)
+        changed = check_resumable(read_config(self.path), self.config, may_change, self.path, self.defaults)
         manifest = read_manifest(self.path)
         remove_stale_temp_files(self.path)  # the process that left them is dead: we are resuming its run
         self._make_folders()
