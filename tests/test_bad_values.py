@@ -43,7 +43,7 @@ def run_cli(capsys, argv) -> tuple[int, str, str]:
     ("train", "--optim.lr", "inf", "lr=inf must be a finite number"),
     ("train", "--rollout.sampling.temperature", "nan", "temperature=nan must be a finite number"),
     ("train", "--rollout.sampling.top-p", "nan", "top_p=nan"),
-    ("train", "--model.rope-theta", "0", "model.rope_theta=0.0 must be > 0"),
+    ("train", "--model.rope-theta", "0", "rope_theta=0.0 must be > 0"),
     ("train", "--model.rope-theta", "nan", "rope_theta=nan must be a finite number"),
     ("train", "--objective.clip-high", "inf", "clip_high=inf must be a finite number"),
     ("train", "--task.eval-fraction", "nan", "eval_fraction=nan"),

@@ -208,3 +208,23 @@ def test_a_kernel_that_bypasses_the_router_is_caught():
 def test_model_config_checks_the_backend_fields(kw, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**kw)
+
+
+def test_a_model_built_in_python_is_wrapped_with_its_own_vocabulary_and_routes_alike():
+    """HFMoEModel.wrap: no hf_config or hf_path needed; the same logits and routing as the adapter the run builds,
+    and a config that nothing can rebuild from is refused by name where a run would try."""
+    from moe_rl.model.hf import build_hf_model
+
+    built = hf_model("qwen3_moe").eval()
+    wrapped = HFMoEModel.wrap(copy.deepcopy(built.hf), aux_loss_coef=0.02)
+    assert wrapped.cfg.hf_in_memory and wrapped.cfg.aux_loss_coef == 0.02
+    assert wrapped.cfg.vocab_size == built.hf.config.vocab_size
+    assert wrapped.cfg.max_seq_len == built.hf.config.max_position_embeddings
+    ids_BS, valid_BS = padded_batch()
+    with torch.no_grad(), record_routing(built) as ours, record_routing(wrapped) as theirs:
+        assert torch.equal(built(ids_BS, valid_BS).logits_BSV, wrapped(ids_BS, valid_BS).logits_BSV)
+    assert torch.equal(ours.trace().ids_LBSK, theirs.trace().ids_LBSK)
+    with pytest.raises(ConfigError, match="wrapped in Python"):
+        build_hf_model(wrapped.cfg)
+    with pytest.raises(ConfigError, match="exactly one of hf_config"):
+        ModelConfig(backend="hf")

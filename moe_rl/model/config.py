@@ -36,6 +36,9 @@ class ModelConfig:
     """With backend hf: a local checkpoint directory written by `save_pretrained` (config.json and weights, and
     a tokenizer used for the task prompts if it has one). Its own config fixes the architecture; of the fields
     below only aux_loss_coef, z_loss_coef and max_seq_len apply."""
+    hf_in_memory: bool = False
+    """Set by HFMoEModel.wrap for a transformers model built in Python: it has no hf_config or hf_path, so nothing
+    can rebuild it from this config (build_hf_model refuses; load the weights into your model instead)."""
 
     vocab_size: int = 99
     """Number of token ids; must cover the tokenizer's vocabulary (99 for the character tokenizer)."""
@@ -87,6 +90,7 @@ class ModelConfig:
         for field in ("d_shared_expert", "aux_loss_coef", "z_loss_coef", "init_std"):
             check_positive(field, getattr(self, field), allow_zero=True)
         check_positive("norm_eps", self.norm_eps)
+        check_positive("rope_theta", self.rope_theta)
         check_choice("dispatch", self.dispatch, DISPATCH_MODES)
         self._check_backend()
         if self.top_k > self.n_experts:
@@ -104,8 +108,13 @@ class ModelConfig:
         check_choice("backend", self.backend, BACKENDS)
         if self.hf_config is not None:  # the CLI checks the Literal types; a config built in Python is checked here
             check_choice("hf_config", self.hf_config, HF_FAMILIES)
-        if self.backend == "native" and (self.hf_config or self.hf_path):
-            raise ConfigError("hf_config / hf_path need backend='hf' (--model.backend hf)")
+        if self.backend == "native" and (self.hf_config or self.hf_path or self.hf_in_memory):
+            raise ConfigError("hf_config / hf_path / hf_in_memory need backend='hf' (--model.backend hf)")
+        if self.hf_in_memory:
+            if self.hf_config is not None or self.hf_path is not None:
+                raise ConfigError("hf_in_memory (a model wrapped with HFMoEModel.wrap) takes neither hf_config nor "
+                                  "hf_path")
+            return
         if self.backend == "hf" and (self.hf_config is None) == (self.hf_path is None):
             raise ConfigError("backend='hf' needs exactly one of hf_config (a tiny random model of a family) or "
                               "hf_path (a local checkpoint directory)")

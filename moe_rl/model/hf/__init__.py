@@ -3,7 +3,7 @@
     from moe_rl.model.hf import build_hf_model, HFMoEModel
     model = build_hf_model(ModelConfig(backend="hf", hf_config="qwen3_moe"))    # tiny random Qwen3-MoE
     model = build_hf_model(ModelConfig(backend="hf", hf_path="ckpt/"))          # a save_pretrained directory
-    model = HFMoEModel(AutoModelForCausalLM.from_pretrained(...), ModelConfig(backend="hf"))
+    model = HFMoEModel.wrap(AutoModelForCausalLM.from_pretrained(...))           # a model built in Python
 
 transformers is imported only when a model is built.
 """

@@ -58,6 +58,9 @@ def pretrained_hf_model(path: str, cfg: ModelConfig) -> HFMoEModel:
 
 def build_hf_model(cfg: ModelConfig) -> HFMoEModel:
     """`cfg.hf_path` if set, else a tiny random `cfg.hf_config` model."""
+    if cfg.hf_in_memory:
+        raise ConfigError("this config describes a model wrapped in Python (HFMoEModel.wrap), which it cannot "
+                          "rebuild: build the transformers model yourself, load its weights and wrap it again")
     if cfg.hf_path is not None:
         return pretrained_hf_model(cfg.hf_path, cfg)
     return tiny_hf_model(cfg.hf_config, cfg)

@@ -101,6 +101,17 @@ class HFMoEModel(nn.Module):
         params = inspect.signature(hf_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
+    @classmethod
+    def wrap(cls, hf_model: nn.Module, **model_fields) -> "HFMoEModel":
+        """A transformers MoE causal LM built in Python (from_pretrained, a config, your own training) under the
+        routing contract. The ModelConfig takes the model's vocabulary and context length; `model_fields` set the
+        others that apply (aux_loss_coef, z_loss_coef, max_seq_len)."""
+        hf_cfg = hf_model.config
+        fields = {"vocab_size": hf_cfg.vocab_size,
+                  "max_seq_len": getattr(hf_cfg, "max_position_embeddings", None) or ModelConfig.max_seq_len}
+        cfg = ModelConfig(backend="hf", hf_in_memory=True, **{**fields, **model_fields})
+        return cls(hf_model, cfg)
+
     @property
     def blocks(self) -> nn.ModuleList:
         """The decoder layers, in depth order (what FSDP shards one by one)."""
