@@ -163,12 +163,12 @@ class TrainConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
     def __post_init__(self) -> None:
         check_numbers(self)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
