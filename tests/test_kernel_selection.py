@@ -51,7 +51,7 @@ def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh
 def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkeypatch):
     family = "sampler_experts" if inexact else "topk"
     monkeypatch.setattr(measure, "_PLANS", {family: (lambda: None, lambda: [None, None])})
-    monkeypatch.setattr(measure, "_race", lambda forced, f, work, others: [(ratio, 1.0), (ratio * 2, 2.0)])
+    monkeypatch.setattr(measure, "_race", lambda forced, f, work, others, rounds=7: [(ratio, 1.0), (ratio * 2, 2.0)])
     chosen = measure.measure_all(selection.forced)
     assert chosen[family]["used"] is used
     assert chosen[family]["why"] == f"measured: {ratio:.2f}x the torch time"

@@ -2,11 +2,14 @@
 
 Shapes: the paper's routing shape at a CPU width (704 tokens, a 32-sequence minibatch; 128 experts, top-8, d_model
 64, expert width 32) and a small one (8 experts, top-2, expert width 64), with and without autograd where the family
-serves both; the sampler's families by decode loops of two small models (batch 32, 8 new tokens). Each
-contender runs in alternation with the other, several rounds; a family is used where the geometric mean over its
-workloads of its median time over the reference's is at most FASTER_BY, or INEXACT_FASTER_BY for the two that
-change rounding (one heavy workload does not outvote the others, and a machine's drift cancels in each ratio). The families that give the reference's bits are measured first;
-the sampler's two are then measured with those choices in force. About a second in all.
+serves both; the sampler's families by decode loops of two small models (batch 64, prompt 16, 24 new tokens; the
+decode kernel's cost grows with the context, so short contexts would flatter it).
+
+Each contender runs in alternation with the other, several rounds (three for the long decode loops); a family is
+used where the geometric mean over its workloads of its median time over the reference's is at most FASTER_BY, or
+INEXACT_FASTER_BY for the two that change rounding (one heavy workload does not outvote the others, and a machine's
+drift cancels in each ratio). The families that give the reference's bits are measured first; the sampler's two
+are then measured with those choices in force. About five seconds in all, once per machine.
 
 The measurement leaves no trace in the run: it uses its own random generators inside torch.random.fork_rng (the
 global RNG state is restored), outside autocast and inference mode, on fresh tensors.
@@ -23,6 +26,7 @@ import torch
 
 
 ROUNDS = 7
+SAMPLER_ROUNDS = 3  # the decode loops are long enough that three alternations settle them
 FASTER_BY = 0.97  # a family is used only where its time is at most this share of the reference's
 # ... and one that changes the rounding (the fp32 sampler's two) only where it clearly wins, so that a machine whose
 # timings sit near the edge does not sample with one kernel after one measurement and the other after the next.
@@ -43,7 +47,8 @@ def measure_all(forced) -> dict[str, dict]:
                 chosen[family] = {"used": False, "why": f"unavailable: {missing}"}
                 continue
             others = {**off, **{name: choice["used"] for name, choice in chosen.items()}}
-            times = _race(forced, family, workloads(), others)
+            rounds = SAMPLER_ROUNDS if family in INEXACT else ROUNDS
+            times = _race(forced, family, workloads(), others, rounds)
             ratio = math.exp(statistics.fmean(math.log(fast / reference) for fast, reference in times))
             threshold = INEXACT_FASTER_BY if family in INEXACT else FASTER_BY
             chosen[family] = {"used": ratio <= threshold, "why": f"measured: {ratio:.2f}x the torch time",
@@ -52,8 +57,8 @@ def measure_all(forced) -> dict[str, dict]:
     return chosen
 
 
-def _race(forced, family: str, workloads: list[Callable[[], object]],
-          others: dict[str, bool]) -> list[tuple[float, float]]:
+def _race(forced, family: str, workloads: list[Callable[[], object]], others: dict[str, bool],
+          rounds: int = ROUNDS) -> list[tuple[float, float]]:
     """Per workload, the median time with the family on and off (the other families as given)."""
     times = []
     for work in workloads:
@@ -61,7 +66,7 @@ def _race(forced, family: str, workloads: list[Callable[[], object]],
             work()  # warm-up: first-call set-up (plans, caches) is not what is measured
             repeat = max(1, int(MIN_SAMPLE_S / max(_once(work), 1e-7)))
         samples = {True: [], False: []}
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for on in (True, False):
                 with forced(**{**others, family: on}):
                     samples[on].append(_once(work, repeat) / repeat)
@@ -179,8 +184,8 @@ def _sampler_workloads():
                           n_experts=experts, top_k=top_k, d_expert=d_expert)
         torch.manual_seed(0)  # inside fork_rng: the caller's RNG state is restored afterwards
         model = MoETransformer(cfg).eval()
-        prompts_BP = torch.randint(1, 99, (32, 8), generator=_generator(5))
-        work.append(lambda model=model, prompts_BP=prompts_BP: _decode(model, prompts_BP, new_tokens=8))
+        prompts_BP = torch.randint(1, 99, (64, 16), generator=_generator(5))
+        work.append(lambda model=model, prompts_BP=prompts_BP: _decode(model, prompts_BP, new_tokens=24))
     return work
 
 

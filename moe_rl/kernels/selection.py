@@ -2,9 +2,9 @@
 
 A family is on only where it is faster than the torch code it replaces, at the shapes it serves, on this CPU. On
 first use in a process the choice is read from the cache folder of the compiled kernels (native.cache_folder()),
-under a key of the CPU's features, the torch version, the ISA cap, the thread count and the kernels' source; where
-there is none yet, each available family is timed against the torch reference (measure.py, about a second in all)
-and the result is written there for every later process. Why by measurement: the same C code that is 1.3x faster
+under a key of the CPU's features, the torch version, the ISA cap, the thread count, the kernels' source and the
+measurement's own code; where there is none yet, each available family is timed against the torch reference
+(measure.py, about five seconds in all) and the result is written there for every later process. Why by measurement: the same C code that is 1.3x faster
 than torch on an AVX-512 CPU can be 2x slower on an AVX2 one (the fp32 sampler's experts kernel, whose 16-lane
 vectors split in two there), and no rule written on one machine knows that of another.
 
@@ -141,9 +141,15 @@ def _apply_environment(chosen: dict[str, dict]) -> dict[str, dict]:
 
 def _machine_key() -> str:
     facts = [sorted(_cpu_flags()), _cpu_model(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
-             native.isa_cap(), torch.get_num_threads(), native.source_hash(),
+             native.isa_cap(), torch.get_num_threads(), native.source_hash(), _measurement_hash(),
              *(os.environ.get(name, "") for name in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"))]
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
+
+
+def _measurement_hash() -> str:
+    """The measurement's own code (its shapes and thresholds): a changed rule measures again."""
+    here = Path(__file__).parent
+    return hashlib.sha256((here / "measure.py").read_bytes() + (here / "selection.py").read_bytes()).hexdigest()[:16]
 
 
 def _read(path: Path) -> dict[str, dict] | None:
