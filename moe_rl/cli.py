@@ -111,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     takes_file = name in ("train", "sft")
     try:
         rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
-        cfg = tyro.cli(config_class, args=rest, prog=f"moe-rl {name}", default=defaults,
-                       description=module_doc + (CONFIG_FILE_HELP if takes_file else ""))
+        cfg = _parse(tyro, config_class, rest, name, defaults, module_doc + (CONFIG_FILE_HELP if takes_file else ""))
         result = run(cfg)
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # the reader went away (`moe-rl train --help | head`): nothing left to say
+        return 0
     except OSError as err:  # the file system mid-run: permissions, no space left (the run is marked failed)
         where = f"{err.filename}: " if err.filename else ""
         print(f"moe-rl {name}: error: {where}{err.strerror or err} (a file system error: fix it, e.g. permissions or "
@@ -133,6 +134,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
+
+
+def _parse(tyro, config_class, args: list[str], name: str, defaults, description: str):
+    """tyro.cli, with its error boxes (a bad value, an unknown flag, an invalid choice) turned into the one-line
+    ConfigError every other bad input gets; --help and usage go out as tyro writes them."""
+    import contextlib
+    import io
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            cfg = tyro.cli(config_class, args=args, prog=f"moe-rl {name}", default=defaults, description=description)
+    except SystemExit as stop:
+        message = _tyro_error_line(captured.getvalue()) if stop.code not in (0, None) else None
+        if message is None:
+            sys.stderr.write(captured.getvalue())
+            raise
+        raise ConfigError(f"{message}; see moe-rl {name} --help") from None
+    sys.stderr.write(captured.getvalue())  # anything tyro printed on a successful parse (warnings)
+    return cfg
+
+
+def _tyro_error_line(text: str) -> str | None:
+    """The message of a tyro error box in one line: its first section, then the flags it suggests, if any. tyro
+    draws the box with box characters on a terminal and with dashes elsewhere; both read alike here."""
+    lines = [line.strip().strip("│╭╮╰╯").strip() for line in text.splitlines()]
+    lines = [line for line in lines if line][1:]  # the first is the box's title
+    if not any(_is_rule(line) for line in lines):
+        return None  # not a box: leave it as tyro wrote it
+    sections: list[list[str]] = [[]]
+    for line in lines:
+        if _is_rule(line):
+            sections.append([])
+        else:
+            sections[-1].append(line)
+    sections = [section for section in sections if section]
+    message = " ".join(sections[0]).replace("Error parsing ", "").rstrip(".")
+    suggested = [row.split()[0] for section in sections[1:] for row in section if row.startswith("--")]
+    if suggested and message.startswith("Unrecognized"):
+        message += f" (did you mean {', '.join(dict.fromkeys(suggested))}?)"
+    return message
+
+
+def _is_rule(line: str) -> bool:
+    return set(line) <= set("─-") and len(line) >= 3
 
 
 def _exit_status(run_dir) -> int:

@@ -30,7 +30,9 @@ def run_cli(capsys, argv) -> tuple[int, str, str]:
     except SystemExit as exit:
         code = exit.code
     out, err = capsys.readouterr()
-    return code, out, " ".join(err.replace("│", " ").split())  # tyro wraps its box at the terminal width
+    if err.count("\n") == 1:  # the one line every refusal should be: as printed
+        return code, out, err
+    return code, out, " ".join(err.replace("│", " ").split())  # else joined, to name what it says
 
 
 # --- finite checks on every float field, in one place ---------------------------------------------------------------
@@ -57,6 +59,14 @@ def test_nan_and_inf_are_refused_naming_the_field_before_anything_is_written(cap
     out = ["--out", tmp_path / "run"] if command == "probe" else ["--out-dir", tmp_path / "run"]
     code, stdout, stderr = run_cli(capsys, [command, *out, flag, value])
     assert code == 2 and named in stderr and "Traceback" not in stderr + stdout, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith(f"moe-rl {command}: error: "), stderr  # one line, no box
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_flag_is_one_line_with_the_flag_it_resembles(capsys, tmp_path):
+    code, _, stderr = run_cli(capsys, ["train", "--out-dir", tmp_path / "run", "--optim.lrr", "3"])
+    assert code == 2 and stderr == ("moe-rl train: error: Unrecognized options: --optim.lrr, 3 (did you mean "
+                                    "--optim.lr?); see moe-rl train --help\n")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -100,6 +110,7 @@ def with_value(config, path: str, value):
 def test_probe_choice_fields_are_choices(capsys, tmp_path, flag, value):
     code, stdout, stderr = run_cli(capsys, ["probe", "--out", tmp_path / "p", flag, value])
     assert code == 2 and f"invalid choice '{value}'" in stderr and flag in stderr and "Traceback" not in stderr
+    assert stderr.count("\n") == 1, stderr
     assert list(tmp_path.iterdir()) == []
 
 
