@@ -46,6 +46,16 @@ def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh
     assert selection.choices() == chosen
 
 
+@needs_native
+def test_the_measurement_runs_from_inside_a_no_grad_or_inference_pass(monkeypatch):
+    """The first kernel call may come from the sampler (inference mode) or the old pass (no grad); the workloads
+    with autograd must still run there."""
+    monkeypatch.setattr(measure, "_PLANS", {"rows": measure._PLANS["rows"]})
+    with torch.inference_mode(), torch.no_grad():
+        chosen = measure.measure_all(selection.forced)
+    assert chosen["rows"]["why"].startswith("measured") and len(chosen["rows"]["fast_s"]) == 4
+
+
 @pytest.mark.parametrize("ratio, inexact, used", [(0.5, False, True), (0.96, False, True), (1.2, False, False),
                                                   (0.96, True, False), (0.8, True, True)])
 def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkeypatch):

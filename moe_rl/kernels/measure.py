@@ -12,7 +12,8 @@ drift cancels in each ratio). The families that give the reference's bits are me
 are then measured with those choices in force. About five seconds in all, once per machine.
 
 The measurement leaves no trace in the run: it uses its own random generators inside torch.random.fork_rng (the
-global RNG state is restored), outside autocast and inference mode, on fresh tensors.
+global RNG state is restored), with autograd on and outside autocast and inference mode whatever the caller's
+context (the first kernel call may come from inside the sampler or a no-grad pass), on fresh tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def measure_all(forced) -> dict[str, dict]:
     that turns families on and off."""
     chosen: dict[str, dict] = {}
     off = {family: False for family in _PLANS}
-    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.autocast("cpu", enabled=False):
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), \
+            torch.autocast("cpu", enabled=False):
         for family, (is_available, workloads) in _PLANS.items():
             missing = is_available()
             if missing:
