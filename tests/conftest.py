@@ -107,3 +107,22 @@ def spy_kernel(monkeypatch, op: str) -> list:
 
     monkeypatch.setitem(replaceable._FAST, op, counted)
     return served
+
+
+def sample_and_refit(precision: str):
+    """(churn stats, mean |log p_sampler - log p_trainer|) between the sampler in `precision` and an fp32 full
+    forward of the same tokens, on a tiny 16-expert model."""
+    from moe_rl.rollout import SamplingConfig, generate
+    from moe_rl.routing import churn_stats, record_routing
+
+    model = tiny_model(n_experts=16, top_k=4).eval()
+    ids = torch.randint(3, 40, (32, 6), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    cfg = SamplingConfig(max_new_tokens=12, precision=precision)
+    out = generate(model, ids, valid, cfg, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(1),
+                   record=True)
+    with torch.no_grad(), record_routing(model) as rec:
+        logits = model(out.input_ids_BS, out.input_valid_BS).logits_BSV
+    logp = logits[:, out.prompt_len - 1:].log_softmax(-1).gather(-1, out.response_BN[..., None]).squeeze(-1)
+    mask = out.response_mask_BN
+    return churn_stats(rec.trace(), out.routing, out.input_valid_BS), (logp - out.logprobs_BN)[mask].abs().mean()

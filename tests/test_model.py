@@ -7,7 +7,6 @@ import torch
 from conftest import tiny_config, tiny_model
 from moe_rl.routing import record_routing, replay_routing
 from moe_rl.errors import ConfigError
-from moe_rl.model import MoETransformer
 from moe_rl.model.layers import attention_mask, decode_mask, last_positions, positions_from_mask
 from moe_rl.model.moe import choose_kernel
 

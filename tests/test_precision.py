@@ -7,15 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import metric_lines, tiny_model, tiny_train_config
+from conftest import metric_lines, sample_and_refit, tiny_model, tiny_train_config
 from moe_rl.config import RolloutConfig
 from moe_rl.model.precision import FP8_MAX, engine_router_dtype, fp8_parameters, fp8_round_trip, fp8_weights
-from moe_rl.rollout import SamplingConfig, generate
-from moe_rl.routing import churn_stats, record_routing
+from moe_rl.rollout import SamplingConfig
 from moe_rl.train import train
 from moe_rl.trainer import Trainer
-
-PAD, EOS = 0, 2
 
 
 def test_the_trainer_arm_uses_the_trainers_autocast():
@@ -54,26 +51,11 @@ def test_fp8_weights_cover_attention_and_experts_and_come_back_bit_for_bit():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def _sample_and_refit(precision: str):
-    """(set_change, mean |log p_sampler - log p_trainer|) between the sampler and an fp32 full forward."""
-    model = tiny_model(n_experts=16, top_k=4).eval()
-    ids = torch.randint(3, 40, (32, 6), generator=torch.Generator().manual_seed(0))
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    cfg = SamplingConfig(max_new_tokens=12, precision=precision)
-    out = generate(model, ids, valid, cfg, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(1),
-                   record=True)
-    with torch.no_grad(), record_routing(model) as rec:
-        logits = model(out.input_ids_BS, out.input_valid_BS).logits_BSV
-    logp = logits[:, out.prompt_len - 1:].log_softmax(-1).gather(-1, out.response_BN[..., None]).squeeze(-1)
-    mask = out.response_mask_BN
-    return churn_stats(rec.trace(), out.routing, out.input_valid_BS), (logp - out.logprobs_BN)[mask].abs().mean()
-
-
 def test_engine_arms_are_ordered_by_their_precision():
-    _, exact_gap = _sample_and_refit("exact")  # samples as the trainer does (the old pass then replaces it)
-    fp16, fp16_gap = _sample_and_refit("fp16")
-    bf16, bf16_gap = _sample_and_refit("bf16")
-    fp8, fp8_gap = _sample_and_refit("fp8")
+    _, exact_gap = sample_and_refit("exact")  # samples as the trainer does (the old pass then replaces it)
+    fp16, fp16_gap = sample_and_refit("fp16")
+    bf16, bf16_gap = sample_and_refit("bf16")
+    fp8, fp8_gap = sample_and_refit("fp8")
     assert exact_gap < 1e-5 < fp16_gap < bf16_gap < fp8_gap  # 10 mantissa bits, then 7, then 3 for the matrices
     assert fp16.set_change <= bf16.set_change < fp8.set_change < 0.5
     assert engine_router_dtype() is None
