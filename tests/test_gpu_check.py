@@ -4,6 +4,7 @@ at tiny sizes (the device is a parameter), so their calls into moe_rl are checke
 
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
     sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_check  # noqa: E402
+from benchmarks import gpu_check, gpu_fsdp2  # noqa: E402
 
 CPU = torch.device("cpu")
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=99, n_experts=8, top_k=2, d_expert=16,
@@ -192,7 +193,7 @@ def test_rl_step_phases_on_cpu_restore_the_trainers_clock():
 
 @pytest.mark.slow
 def test_fsdp2_step_on_cpu_shards_even_a_world_of_one():
-    r = gpu_check.fsdp2_step("cpu", nproc=1, steps=1, timeout_s=150)
+    r = gpu_fsdp2.fsdp2_step("cpu", nproc=1, steps=1, timeout_s=150)
     assert r["ok"], r["output_tail"]
     assert r["exit_status"] == 0 and r["checkpoint_parallel"] == "fsdp2" and r["checkpoint_world_size"] == 1
     assert r["metric_lines"] == 2 and r["status"] == "finished"
@@ -220,11 +221,11 @@ def test_stop_run_ends_a_launcher_and_the_children_it_started_in_their_own_sessi
                         "start_new_session=True)\n"
                         "signal.signal(signal.SIGTERM, lambda *a: (child.terminate(), sys.exit(1)))\n"
                         "print(child.pid, flush=True)\ntime.sleep(60)\n")
-    proc = gpu_check.subprocess.Popen([sys.executable, str(launcher)], stdout=gpu_check.subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
-    assert gpu_check.child_pids(proc.pid) == [child]
+    assert gpu_fsdp2.child_pids(proc.pid) == [child]
     t0 = time.perf_counter()
-    gpu_check.stop_run(proc, grace_s=10)
+    gpu_fsdp2.stop_run(proc, grace_s=10)
     assert proc.returncode is not None and time.perf_counter() - t0 < 5
     for _ in range(50):  # the child is reaped by init once gone
         if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3]:
