@@ -52,7 +52,7 @@ def enabled(family: str) -> bool:
     """Whether the fast path of `family` runs in this process."""
     if family in _forced:
         return _forced[family]
-    return choices()[family]["used"]
+    return (_chosen or choices())[family]["used"]
 
 
 @contextlib.contextmanager

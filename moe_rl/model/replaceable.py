@@ -51,10 +51,10 @@ def replaceable(family: str):
         _FAMILY_OF[op] = family
 
         @functools.wraps(reference)
-        def dispatch(*args, **kwargs):
-            fast = fast_implementation(op)
-            if fast is not None:
-                out = fast(*args, **kwargs)
+        def dispatch(*args, **kwargs):  # on the hot path (every layer, every decode step): one switch call, one get
+            if family_enabled(family):
+                fast = _FAST.get(op)
+                out = fast(*args, **kwargs) if fast is not None else NotImplemented
                 if out is not NotImplemented:
                     return out
             return reference(*args, **kwargs)
@@ -64,13 +64,6 @@ def replaceable(family: str):
         return dispatch
 
     return wrap
-
-
-def fast_implementation(op: str) -> Callable | None:
-    """The fast implementation of `op` where its family is on, else None."""
-    if not family_enabled(_FAMILY_OF[op]):
-        return None
-    return _FAST.get(op)
 
 
 def family_enabled(family: str) -> bool:
