@@ -50,6 +50,7 @@ LABELS = {"rollout.sampling.precision": "prec", "correction.is_level": "is", "co
 def correction(scale: str = "cpu", seeds: int = 3, steps: int = 0, lr: float = 0.0) -> Experiment:
     """GRPO's five mismatch remedies x three sampler arms x seeds; `steps` and `lr` 0 take the regime's defaults."""
     base = regime_base(scale, steps=steps, lr=lr)
-    grid = product(axis("rollout.sampling.precision", PRECISIONS), METHODS, axis("seed", range(seeds)))
+    # Seed first: a sweep stopped part way leaves whole seeds of every cell, the pairs the comparison needs.
+    grid = product(axis("seed", range(seeds)), axis("rollout.sampling.precision", PRECISIONS), METHODS)
     # One warm start serves every arm: SFT does not sample, and the arm only changes how its evaluation does.
     return Experiment(base, grid, warmstart=regime_warm_start(scale), labels=LABELS)
