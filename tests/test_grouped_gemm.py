@@ -167,11 +167,25 @@ def test_operands_whose_shapes_do_not_fit_are_refused():
         mkl_grouped_mm(x_ND[:, :12].contiguous(), w_EDF, counts_E)
 
 
-needs_avx512 = pytest.mark.skipif(not mkl_available() or torch.backends.cpu.get_cpu_capability() != "AVX512",
-                                  reason="the C loop of the grouped products is written for AVX-512")
+needs_c_loop = pytest.mark.skipif(not mkl_available() or not grouped_gemm.c_loop_runs(),
+                                  reason="the C loop of the grouped products needs AVX-512 or AVX2 with FMA, and a "
+                                         "kernel build that has them (not MOE_RL_ISA=baseline)")
 
 
-@needs_avx512
+def test_c_loop_runs_wherever_the_cpu_and_the_build_have_its_vectors():
+    """The skip above asks the C code whether it runs; this keeps that from hiding a build that lost its vector
+    kernels: on a CPU with AVX2 and FMA (or AVX-512) the C loop must run unless the kernels' ISA is capped to the
+    baseline."""
+    from moe_rl.kernels import native, selection
+
+    if native.library() is None:
+        pytest.skip("no C kernels built")
+    flags = set(selection.cpu_description()["features"])
+    vectors = "avx512f" in flags or {"avx2", "fma"} <= flags
+    assert grouped_gemm.c_loop_runs() == (vectors and native.isa_cap() != "baseline")
+
+
+@needs_c_loop
 def test_c_loop_takes_the_paper_widths_with_the_measured_plans():
     """At d_model 64 and expert width 32 (the bench and study models) every product has a plan, with the group
     sizes the module's comments give: forward 1-1,024 (fused from 4 rows), input grad from 4, weight grad up to 192."""
@@ -184,7 +198,7 @@ def test_c_loop_takes_the_paper_widths_with_the_measured_plans():
     assert exact_plan(_FORWARD, 256, 512) is None  # MKL splits a depth of 256: its sums are not one chain
 
 
-@needs_avx512
+@needs_c_loop
 @pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64), (64, 32)])
 def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_in, d_out, monkeypatch):
     """Group sizes on both sides of every plan's edges (1-3 rows, 4, 192 and 193, 1,024 and beyond) in one call, so
@@ -206,7 +220,7 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
     assert len(left_to_mkl) == 3 and all(left > 0 for left in left_to_mkl)
 
 
-@needs_avx512
+@needs_c_loop
 @pytest.mark.parametrize("start", [(1, 1), (1, 100)])  # fused from 1 row (MKL rounds 1-3 rows unfused); from 100
 def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
 
@@ -218,16 +232,16 @@ def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
         grouped_gemm.exact_plan.cache_clear()
 
 
-@needs_avx512
+@needs_c_loop
 def test_c_loop_refuses_widths_it_cannot_vectorise_and_counts_that_do_not_add_up():
     from moe_rl.kernels.grouped_gemm import ExactPlan
 
     plan = ExactPlan(1, 1024, 4)
     counts_E = torch.tensor([3, 5])
     x_ND = torch.randn(8, 64)
-    narrow = grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 8, 64, 24, x_ND, torch.randn(2, 64, 24),
-                                          torch.empty(8, 24), plan)
-    assert narrow == -3  # 24 columns are not whole vectors of 16: MKL's job
+    narrow = grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 8, 64, 12, x_ND, torch.randn(2, 64, 12),
+                                          torch.empty(8, 12), plan)
+    assert narrow == -3  # 12 columns are not whole vectors (of 16 with AVX-512, of 8 with AVX2): MKL's job
     with pytest.raises(ValueError, match="sum to 8, but x has 9 rows"):
         grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 9, 64, 64, torch.randn(9, 64),
                                      torch.randn(2, 64, 64), torch.empty(9, 64), plan)

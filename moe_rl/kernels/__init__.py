@@ -9,7 +9,7 @@ moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a 
 | slots            | rows.py          | moe.sort_slots (stable argsort)                  | the same bits        |
 | rows             | rows.py          | moe.gather_rows, expert_rows, combine_rows       | the same bits        |
 | mkl_products     | grouped_gemm.py  | moe.grouped_mm, moe.short_block_rows             | the same bits        |
-| exact_products   | grouped_gemm.py  | MKL's products inside mkl_products (AVX-512)     | MKL's bits (checked) |
+| exact_products   | grouped_gemm.py  | MKL's products in mkl_products (AVX-512, AVX2)   | MKL's bits (checked) |
 | rotary           | attention.py     | layers.apply_rotary                              | the same bits        |
 | decode_attention | attention.py     | layers.decode_attention, decode_keys_transposed  | fp32 rounding        |
 | sampler_experts  | sampler.py       | moe.routed_experts in the fp32 sampler           | fp32 rounding        |

@@ -13,9 +13,10 @@ The call's per-expert argument arrays are filled by a C kernel (native_kernels.c
 cheap enough to pay off at any number of experts without autograd (MKL_MIN_EXPERTS_WITH_GRAD says where with it).
 
 Faster still, where it gives the same bits: at the small widths of the paper-shaped models MKL sums each output
-element as one chain over the depth, in order, so a C loop (native_kernels.c, exact_products, AVX-512) that chains
-the same way gives MKL's numbers without MKL's packing of small operands (1.3-1.4x per product at 128 experts and
-5,632 slots, d_model 64, expert width 32). Nothing promises MKL sums that way, so `exact_plan` compares the two on
+element as one chain over the depth, in order, so a C loop (native_kernels.c, exact_products, AVX-512 or AVX2 with
+FMA) that chains the same way gives MKL's numbers without MKL's packing of small operands (measured, one thread, at
+128 experts, d_model 64, expert width 32: 1.3-1.4x per product on an AVX-512 CPU; on a 2-core AVX2 AMD EPYC 0.92x the
+MKL time without autograd and 0.77x with it at 704 tokens, and 1.03-1.04x at 8 experts of width 64). Nothing promises MKL sums that way, so `exact_plan` compares the two on
 every group size up to 1,024 once per shape and process, and the loop serves only the sizes where they agreed.
 
 Where MKL or the C kernels are absent (other CPU builds, no C compiler), on CUDA, in other dtypes and at more than
@@ -264,9 +265,20 @@ def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
     return ExactPlan(min_rows, max_rows, fused_from)
 
 
+def c_loop_runs() -> bool:
+    """Whether the C loop runs on this CPU and build (AVX-512, or AVX2 with FMA, and a kernel build that has them:
+    MOE_RL_ISA=baseline leaves both out), asked of the C code itself on a product of whole vectors."""
+    if native_library() is None:
+        return False
+    counts_E = torch.tensor([4])
+    a, b, c = torch.zeros(4, 16), torch.zeros(1, 16, 16), torch.empty(4, 16)
+    return _exact_products(_FORWARD, counts_E, 4, 16, 16, a, b, c, ExactPlan(1, 4, 4)) != -3
+
+
 def _exact_products(mode: int, counts_E, rows: int, D: int, F: int, a, b, c, plan: ExactPlan) -> int:
     """The C loop's products for the groups the plan covers; returns how many experts it left to MKL, or -3 where it
-    cannot run (no AVX-512, widths not multiples of 16)."""
+    cannot run (neither AVX-512 nor AVX2 with FMA, or widths that are not whole vectors: multiples of 16 with AVX-512,
+    of 8 with AVX2)."""
     status = native_library().exact_products(mode, counts_E.numel(), counts_E.data_ptr(), rows, D, F, a.data_ptr(),
                                              b.data_ptr(), c.data_ptr(), plan.min_rows, plan.max_rows,
                                              plan.fused_from)

@@ -35,6 +35,16 @@
 #define AVX512_HELPER static inline __attribute__((always_inline, target("avx512f")))
 #endif
 
+/* The grouped products in MKL's order also have an AVX2 version (with FMA, checked at run time), for the CPUs
+   without AVX-512. It is built in every multi-version build and in the MOE_RL_ISA=avx2 build, not in the baseline
+   one, so that the caps leave exactly the code an older CPU would run. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    (!defined(MOE_RL_ONE_VERSION) || (defined(__AVX2__) && defined(__FMA__)))
+#include <immintrin.h>
+#define AVX2_KERNELS 1
+#define AVX2_HELPER static inline __attribute__((always_inline, target("avx2,fma")))
+#endif
+
 /* ---------------------------------------------------------------------------------------------------------------
    top-k of each row
 
@@ -458,21 +468,22 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
-   grouped products in MKL's own order (AVX-512)
+   grouped products in MKL's own order (AVX-512, and AVX2 with FMA)
 
    The three products of expert_sgemm, computed here with the roundings MKL's sgemm makes at the widths of the
    paper-shaped models, where a C loop is faster than MKL's batch call (MKL spends much of a small product packing
    its operands). Each output element is a chain over k in order from a zero accumulator: a fused multiply-add per
    step for experts with at least `fused_from` rows, a product then a sum (each rounded) for fewer. That is what MKL
-   does (measured: one thread, its AVX-512 kernels, depth up to 192; a one- to three-row product goes through a path
-   without fused multiply-adds), but nothing guarantees it, so grouped_gemm.py compares this kernel with MKL at each
+   does (measured: one thread, its AVX-512 kernels and its AVX2 ones, depth up to 192; a one- to three-row product
+   goes through a path without fused multiply-adds), but nothing guarantees it, so grouped_gemm.py compares this kernel with MKL at each
    shape before it lets it serve, and uses it only for the group sizes where they agreed.
 
    Only experts with min_rows <= n_e <= max_rows are computed (their outputs only; the others are left untouched
-   for the MKL call). The widths the vectors run along (F for modes 0 and 2, D for mode 1) must be multiples of 16.
-   Returns the number of experts left for MKL (rows outside the range: n_e > 0 in modes 0 and 1, any in mode 2), -1
-   if a count is negative or the counts do not add up to `rows`, -2 if out of memory, -3 where it cannot run (no
-   AVX-512 on this CPU, a build without it, or widths that are not multiples of 16). */
+   for the MKL call). The widths the vectors run along (F for modes 0 and 2, D for mode 1) must be multiples of 16
+   for the AVX-512 version, of 8 for the AVX2 one. Returns the number of experts left for MKL (rows outside the range:
+   n_e > 0 in modes 0 and 1, any in mode 2), -1 if a count is negative or the counts do not add up to `rows`, -2 if
+   out of memory, -3 where it cannot run (neither AVX-512 nor AVX2 with FMA on this CPU or in this build, or widths
+   that are not whole vectors). */
 
 #define PRODUCT_ROWS 4   /* output rows per tile: 4 rows x 4 vectors = 16 accumulators */
 #define PRODUCT_VECTORS 4
@@ -575,7 +586,7 @@ AVX512_HELPER void transpose16(const float *w, int64_t ldw, float *t, int64_t ld
 /* t (f x d) = w^T for w (d x f): 16 x 16 blocks in registers where both are multiples of 16 (4x faster at 64 x 64
    than the element loop, which the copy of an expert's weights for mode 1 would otherwise spend most of its time in) */
 __attribute__((target("avx512f")))
-static void transpose(const float *w, int64_t d, int64_t f, float *t)
+static void transpose_avx512(const float *w, int64_t d, int64_t f, float *t)
 {
     if (d % 16 == 0 && f % 16 == 0) {
         for (int64_t i = 0; i < d; i += 16)
@@ -588,7 +599,7 @@ static void transpose(const float *w, int64_t d, int64_t f, float *t)
 
 /* c (rows x width) = A (rows x depth, element (r, k) at a[r * ar + k * ak]) @ b (depth x width, rows ldb apart) */
 __attribute__((target("avx512f")))
-static void chained_product(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t rows,
+static void chained_product_avx512(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t rows,
                             int64_t depth, int64_t width, float *c, int64_t ldc, int fused)
 {
     for (int64_t j0 = 0; j0 < width; j0 += 16 * PRODUCT_VECTORS) {
@@ -601,13 +612,139 @@ static void chained_product(const float *a, int64_t ar, int64_t ak, const float 
 }
 #endif
 
+#ifdef AVX2_KERNELS
+/* The same chains with 8-lane vectors. Tiles of 6 rows x 2 vectors: 12 accumulators, 2 rows of b and a broadcast
+   fill 15 of AVX2's 16 registers (BLIS's Haswell microkernel has the same shape, 6 x 16). */
+#define AVX2_ROWS 6
+#define AVX2_VECTORS 2
+
+AVX2_HELPER __m256 chain_step_avx2(__m256 x, __m256 y, __m256 acc, const int fused)
+{
+    return fused ? _mm256_fmadd_ps(x, y, acc) : _mm256_add_ps(acc, _mm256_mul_ps(x, y));
+}
+
+AVX2_HELPER void product_tile_avx2(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
+                                   float *c, int64_t ldc, const int rows_used, const int vectors, const int fused)
+{
+    __m256 acc[AVX2_ROWS][AVX2_VECTORS];
+#pragma GCC unroll 6
+    for (int r = 0; r < rows_used; ++r)
+#pragma GCC unroll 2
+        for (int v = 0; v < vectors; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < depth; ++k) {
+        __m256 bk[AVX2_VECTORS];
+#pragma GCC unroll 2
+        for (int v = 0; v < vectors; ++v) bk[v] = _mm256_loadu_ps(b + k * ldb + 8 * v);
+#pragma GCC unroll 6
+        for (int r = 0; r < rows_used; ++r) {
+            __m256 ark = _mm256_set1_ps(a[r * ar + k * ak]);
+#pragma GCC unroll 2
+            for (int v = 0; v < vectors; ++v) acc[r][v] = chain_step_avx2(ark, bk[v], acc[r][v], fused);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < rows_used; ++r)
+#pragma GCC unroll 2
+        for (int v = 0; v < vectors; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
+}
+
+#define TILE_CASE(R, V)                                                       \
+    (fused ? product_tile_avx2(a, ar, ak, b, ldb, depth, c, ldc, R, V, 1)     \
+           : product_tile_avx2(a, ar, ak, b, ldb, depth, c, ldc, R, V, 0))
+AVX2_HELPER void tile_of_avx2(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
+                              float *c, int64_t ldc, int rows_used, int vectors, int fused)
+{
+    switch (rows_used * 8 + vectors) {
+    case 1 * 8 + 1: TILE_CASE(1, 1); break;
+    case 1 * 8 + 2: TILE_CASE(1, 2); break;
+    case 2 * 8 + 1: TILE_CASE(2, 1); break;
+    case 2 * 8 + 2: TILE_CASE(2, 2); break;
+    case 3 * 8 + 1: TILE_CASE(3, 1); break;
+    case 3 * 8 + 2: TILE_CASE(3, 2); break;
+    case 4 * 8 + 1: TILE_CASE(4, 1); break;
+    case 4 * 8 + 2: TILE_CASE(4, 2); break;
+    case 5 * 8 + 1: TILE_CASE(5, 1); break;
+    case 5 * 8 + 2: TILE_CASE(5, 2); break;
+    case 6 * 8 + 1: TILE_CASE(6, 1); break;
+    case 6 * 8 + 2: TILE_CASE(6, 2); break;
+    }
+}
+#undef TILE_CASE
+
+/* t (8 x 8, rows ldt apart) = the transpose of w (8 x 8, rows ldw apart), in registers */
+AVX2_HELPER void transpose8(const float *w, int64_t ldw, float *t, int64_t ldt)
+{
+    __m256 r[8], s[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + i * ldw);
+    for (int i = 0; i < 8; i += 2) {  /* interleave pairs of rows */
+        s[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        s[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  /* then pairs of pairs */
+        r[i] = _mm256_shuffle_ps(s[i], s[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(s[i], s[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(s[i + 1], s[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(s[i + 1], s[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {  /* then the 128-bit halves */
+        s[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        s[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(t + i * ldt, s[i]);
+}
+
+__attribute__((target("avx2,fma")))
+static void transpose_avx2(const float *w, int64_t d, int64_t f, float *t)
+{
+    if (d % 8 == 0 && f % 8 == 0) {
+        for (int64_t i = 0; i < d; i += 8)
+            for (int64_t j = 0; j < f; j += 8) transpose8(w + i * f + j, f, t + j * d + i, d);
+        return;
+    }
+    for (int64_t i = 0; i < d; ++i)
+        for (int64_t j = 0; j < f; ++j) t[j * d + i] = w[i * f + j];
+}
+
+__attribute__((target("avx2,fma")))
+static void chained_product_avx2(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t rows,
+                                 int64_t depth, int64_t width, float *c, int64_t ldc, int fused)
+{
+    for (int64_t j0 = 0; j0 < width; j0 += 8 * AVX2_VECTORS) {
+        int vectors = (int)((width - j0) / 8 < AVX2_VECTORS ? (width - j0) / 8 : AVX2_VECTORS);
+        for (int64_t r0 = 0; r0 < rows; r0 += AVX2_ROWS) {
+            int rows_used = (int)(rows - r0 < AVX2_ROWS ? rows - r0 : AVX2_ROWS);
+            tile_of_avx2(a + r0 * ar, ar, ak, b + j0, ldb, depth, c + r0 * ldc + j0, ldc, rows_used, vectors, fused);
+        }
+    }
+}
+#endif
+
+typedef void (*transpose_fn)(const float *w, int64_t d, int64_t f, float *t);
+typedef void (*chained_product_fn)(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t rows,
+                                   int64_t depth, int64_t width, float *c, int64_t ldc, int fused);
+
 int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int64_t rows, int64_t d, int64_t f,
                        const float *a, const float *b, float *c, int64_t min_rows, int64_t max_rows,
                        int64_t fused_from)
 {
+    int64_t vector_width = mode == 1 ? d : f;  /* the widths the vectors run along */
+    (void)vector_width;  /* unused in a build without vector kernels */
+    transpose_fn transpose = NULL;
+    chained_product_fn chained_product = NULL;
 #ifdef AVX512_KERNELS
-    int64_t vector_width = mode == 1 ? d : f;
-    if (vector_width % 16 != 0 || !__builtin_cpu_supports("avx512f")) return -3;
+    if (vector_width % 16 == 0 && __builtin_cpu_supports("avx512f")) {
+        transpose = transpose_avx512;
+        chained_product = chained_product_avx512;
+    }
+#endif
+#ifdef AVX2_KERNELS
+    if (chained_product == NULL && vector_width % 8 == 0 && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma")) {
+        transpose = transpose_avx2;
+        chained_product = chained_product_avx2;
+    }
+#endif
+    if (chained_product == NULL) return -3;
     int64_t total = 0;
     for (int64_t e = 0; e < experts; ++e) {
         if (counts[e] < 0) return -1;
@@ -635,11 +772,6 @@ int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int
     }
     free(transposed);
     return left;
-#else
-    (void)mode; (void)experts; (void)counts; (void)rows; (void)d; (void)f; (void)a; (void)b; (void)c;
-    (void)min_rows; (void)max_rows; (void)fused_from;
-    return -3;
-#endif
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
