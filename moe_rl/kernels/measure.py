@@ -5,7 +5,8 @@ Shapes: the paper's routing shape at a CPU width (704 tokens, a 32-sequence mini
 serves both; the sampler's families by decode loops of two small models (batch 64, prompt 16, 24 new tokens; the
 decode kernel's cost grows with the context, so short contexts would flatter it).
 
-Each contender runs in alternation with the other, several rounds (three for the long decode loops); a family is
+Times are this process's CPU seconds (time.process_time, one torch thread), so a loaded machine slows both
+contenders alike instead of whichever it preempts. Each contender runs in alternation with the other, several rounds (three for the long decode loops); a family is
 used where the geometric mean over its workloads of its median time over the reference's is at most FASTER_BY, or
 INEXACT_FASTER_BY for the two that change rounding (one heavy workload does not outvote the others, and a machine's
 drift cancels in each ratio). The families that give the reference's bits are measured first; the sampler's two
@@ -77,10 +78,14 @@ def _race(forced, family: str, workloads: list[Callable[[], object]], others: di
 
 
 def _once(work: Callable[[], object], repeat: int = 1) -> float:
-    start = time.perf_counter()
+    """CPU seconds of `repeat` calls: this process's time on a core, not the wall clock, so that other jobs sharing
+    the machine (a sweep's workers while a run starts) do not decide the choice by when they take the core away.
+    (Measured on the 2-core AVX2 machine with two sweep runs on it: by the wall clock exact_products came out at 1.52x
+    the reference and was switched off; by CPU time it is faster, as on a quiet machine.)"""
+    start = time.process_time()
     for _ in range(repeat):
         work()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def _generator(seed: int = 0) -> torch.Generator:
