@@ -6,6 +6,7 @@ validation split) and greedy, read from what `moe-rl evaluate` wrote (evaluate.j
     with_baseline(table, base)                        # the same table, the baseline first (final = held-out at T*)
     with_baseline(learning_table(data, 5, metric="eval/greedy"), base, decoding="greedy")
     baseline_markdown([base])                         # a Markdown table of baselines, with SEs
+    against_baseline(per_run, base)                   # per group: final held-out minus the baseline, with a CI
 
 RL that only sharpens the policy beats the warm start at T = 1 but not the warm start at its own best temperature,
 so a method's held-out accuracy is read against this row. Its standard errors count prompts (moe_rl/evaluation.py).
@@ -18,7 +19,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from scipy import stats
 
 DECODINGS = ("sampled", "greedy")
 EXTRA_COLUMNS = ["baseline_decoding", "baseline_temperature", "baseline_se", "baseline_prompts", "baseline_samples"]
@@ -63,3 +66,35 @@ def baseline_markdown(baselines: Sequence[dict]) -> str:
     lines += [f"| {b['label']} | {b['temperature']:g} | {b['heldout']:.3f} +- {b['heldout_se']:.3f} | "
               f"{b['greedy']:.3f} +- {b['greedy_se']:.3f} | {b['prompts']} x {b['samples']} |" for b in baselines]
     return "\n".join(lines) + "\n"
+
+
+AGAINST_COLUMNS = ["group", "decoding", "n_runs", "final", "baseline", "baseline_se", "diff", "ci_low", "ci_high",
+                   "beats_baseline"]
+_FINAL_OF = {"sampled": "eval/reward", "greedy": "eval/greedy"}  # per_run_final's columns: held-out after RL
+
+
+def against_baseline(per_run: pd.DataFrame, baseline: dict, alpha: float = 0.05) -> pd.DataFrame:
+    """Per group and decoding (sampled at the training temperature against the baseline at its best one; greedy
+    against greedy): the mean over runs of the final held-out accuracy minus the baseline's, with a (1 - alpha) CI
+    that carries both uncertainties: the seeds' spread (SE of the mean over runs) and the baseline's own SE (over its
+    prompts), added in quadrature, with Student t at n_runs - 1 degrees of freedom (conservative: the baseline's SE
+    rests on far more prompts than there are seeds). beats_baseline: the CI lies above 0 (never with one run).
+    `per_run` is analysis.per_run.per_run_final's table (columns group, eval/reward, eval/greedy)."""
+    rows = []
+    for decoding, column in _FINAL_OF.items():
+        if column not in per_run:
+            continue
+        base = baseline["greedy" if decoding == "greedy" else "heldout"]
+        base_se = baseline["greedy_se" if decoding == "greedy" else "heldout_se"]
+        for group, values in per_run.groupby("group", sort=False)[column]:
+            x = values.dropna().to_numpy(dtype=float)
+            n = len(x)
+            diff = float(x.mean()) - base if n else math.nan
+            low = high = math.nan
+            if n > 1:
+                half = stats.t.ppf(1 - alpha / 2, n - 1) * math.sqrt(x.var(ddof=1) / n + base_se ** 2)
+                low, high = diff - half, diff + half
+            rows.append({"group": group, "decoding": decoding, "n_runs": n, "final": float(x.mean()) if n else
+                         math.nan, "baseline": base, "baseline_se": base_se, "diff": diff, "ci_low": low,
+                         "ci_high": high, "beats_baseline": bool(np.isfinite(low) and low > 0)})
+    return pd.DataFrame(rows, columns=AGAINST_COLUMNS)

@@ -17,9 +17,11 @@ included; their status is in the tables and diverged runs are marked where they 
     <out>/tables/per_run_final.csv         per run: the values every table above summarises (analysis.per_run)
     <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
     <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
+    <out>/tables/against_baseline.csv      with --baseline: each group's final held-out minus the warm start's best
 
     moe-rl report runs/ --out results/churn
     moe-rl report sweeps/objectives --out results/objectives --group-by objective.name routing_mode --last-k 10
+    moe-rl report sweeps/correction --out results/correction --baseline sweeps/correction/warmstart/<key>/evaluate
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import tyro
 
 from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci
 from analysis.cells import churn_vs_lr_depth, run_summary
+from analysis.baseline import against_baseline, read_baseline, with_baseline
 from analysis.comparisons import paired_comparisons
 from analysis.load import INFO_COLUMNS, RunSet, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.learning import learning_table
 from analysis.per_run import per_run_eval, per_run_final
-from analysis.report_text import learning_markdown, paired_markdown, scaling_markdown, skipped_markdown
+from analysis.report_text import (baseline_section, learning_markdown, paired_markdown, scaling_markdown,
+                                  skipped_markdown)
 from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
@@ -73,6 +77,10 @@ class ReportConfig:
     across the runs, except seeds and bookkeeping (out_dir, device, log.*, ...)."""
     last_k: int = 5
     """Final scores average each run's last k rollout steps."""
+    baseline: str | None = None
+    """The warm start's `moe-rl evaluate` output (evaluate.json, or the folder holding it): the baseline row of the
+    learning table (held-out at its best temperature on validation, and greedy) and each group's final held-out
+    against it (tables/against_baseline.csv). None: no baseline row."""
     equivalence_margin: float = 0.05
     """Margin of the TOST equivalence test in tables/paired_comparisons.csv, in the metrics' units (held-out and
     training reward, both in [0, 1]): two methods are called equivalent only when their paired difference lies
@@ -91,6 +99,8 @@ def command_line(cfg: ReportConfig) -> str:
     if cfg.group_by:
         parts += ["--group-by", *cfg.group_by]
     parts += ["--last-k", str(cfg.last_k), "--equivalence-margin", f"{cfg.equivalence_margin:g}"]
+    if cfg.baseline:
+        parts += ["--baseline", cfg.baseline]
     return shlex.join(parts)
 
 
@@ -101,11 +111,12 @@ def report(cfg: ReportConfig) -> Path:
     data = add_groups(data, group_keys(data, cfg.group_by))
     out = Path(cfg.out)
     data.runs = relative_paths(data.runs, out)
-    tables = write_tables(data, out / "tables", cfg.last_k, cfg.equivalence_margin)
+    baseline = read_baseline(cfg.baseline) if cfg.baseline else None
+    tables = write_tables(data, out / "tables", cfg.last_k, cfg.equivalence_margin, baseline)
     figures, skipped = write_figures(data, out / "figures")
     paired = paired_markdown(tables.get("paired_comparisons"), cfg.equivalence_margin)
-    text = summary_markdown(data, cfg, tables["final_scores"], figures,
-                            learning_markdown(tables["learning"]) + (paired + "\n" if paired else ""))
+    learning = learning_markdown(tables["learning"]) + baseline_section(baseline, tables.get("against_baseline"))
+    text = summary_markdown(data, cfg, tables["final_scores"], figures, learning + (paired + "\n" if paired else ""))
     text += scaling_markdown(tables) + skipped_markdown(skipped)
     (out / "README.md").write_text(text, encoding="utf-8")
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
@@ -138,7 +149,8 @@ def relative_json(value, base: Path):
     return value
 
 
-def write_tables(data: RunSet, folder: Path, last_k: int, margin: float = 0.05) -> dict[str, pd.DataFrame]:
+def write_tables(data: RunSet, folder: Path, last_k: int, margin: float = 0.05,
+                 baseline: dict | None = None) -> dict[str, pd.DataFrame]:
     cells = churn_vs_lr_depth(data, last_k)
     summary = run_summary(data, last_k)
     per_run = per_run_final(data, FINAL_METRICS, last_k, summary)
@@ -153,6 +165,9 @@ def write_tables(data: RunSet, folder: Path, last_k: int, margin: float = 0.05) 
         "per_run_final": per_run,
         "per_run_eval": per_run_eval(data),
     }
+    if baseline is not None:
+        tables["learning"] = with_baseline(tables["learning"], baseline)
+        tables["against_baseline"] = against_baseline(per_run, baseline)
     paired = paired_comparisons(per_run, data.group_by, margin=margin)
     if (paired["n_pairs"] >= 2).any():  # more than one method, and seeds to pair
         tables["paired_comparisons"] = paired

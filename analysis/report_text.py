@@ -126,9 +126,12 @@ def learning_markdown(table: pd.DataFrame) -> str:
              "(analysis/collapse.py).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, row in table.iterrows():
-        lines.append(f"| {row['group']} | {row['n_runs']} | {row['start']:.3f} | {row['final']:.3f} | "
+        if pd.isna(row["n_runs"]):  # the baseline row (analysis.baseline.with_baseline): one measurement, no runs
+            lines.append(f"| {row['group']} | | | {row['final']:.3f} +- {row['baseline_se']:.3f} (baseline) | | | | |")
+            continue
+        lines.append(f"| {row['group']} | {int(row['n_runs'])} | {row['start']:.3f} | {row['final']:.3f} | "
                      f"{with_ci(row['gain'], row['gain_ci_low'], row['gain_ci_high'])} | "
-                     f"{'yes' if row['learns'] else 'no'} | {row['n_collapsed']} | {row['n_diverged']} |")
+                     f"{'yes' if row['learns'] else 'no'} | {int(row['n_collapsed'])} | {int(row['n_diverged'])} |")
     return "\n".join(lines) + "\n\n"
 
 
@@ -158,3 +161,25 @@ def paired_markdown(table: pd.DataFrame | None, margin: float) -> str:
                      f"{with_ci(r.diff, r.ci_low, r.ci_high)} | {_p(r.p)} | {_p(r.p_holm)} | {_p(r.p_tost)} | "
                      f"{'' if not math.isfinite(r.mdd) else f'{r.mdd:.3g}'} | {r.reading} |")
     return "\n".join(lines) + "\n"
+
+
+def baseline_section(baseline: dict | None, against: pd.DataFrame | None) -> str:
+    """The baseline row (the warm start at its best temperature, and greedy) and each group against it."""
+    if baseline is None:
+        return ""
+    from analysis.baseline import baseline_markdown
+
+    lines = ["## Against the warm start's best", "",
+             "RL that only sharpens the policy beats the warm start sampled at T = 1 but not the warm start at its "
+             "own best temperature. The baseline: the warm start sampled at the temperature that scored best on the "
+             "validation split (`moe-rl evaluate`), and greedy, on held-out prompts (+- SE over prompts):", "",
+             baseline_markdown([baseline]).rstrip("\n"), "",
+             "Per group, the final held-out accuracy minus the baseline's (sampled at the training temperature "
+             "against the baseline at its best; greedy against greedy), mean over runs with a 95% CI that adds the "
+             "seeds' spread and the baseline's SE in quadrature (analysis/baseline.py). `beats` means the CI lies "
+             "above 0.", "",
+             "| group | decoding | runs | after RL | baseline | difference [95% CI] | beats |", "|---|---|---|---|---|---|---|"]
+    for r in (against if against is not None else pd.DataFrame()).itertuples():
+        lines.append(f"| {r.group} | {r.decoding} | {r.n_runs} | {r.final:.3f} | {r.baseline:.3f} | "
+                     f"{with_ci(r.diff, r.ci_low, r.ci_high)} | {'yes' if r.beats_baseline else 'no'} |")
+    return "\n".join(lines) + "\n\n"

@@ -293,3 +293,28 @@ def test_churn_scaling_figures_only_for_learning_rate_sweeps(sweep, runs_root):
     per_run = run_churn(scan).set_index("run")
     direct = scan.metrics.groupby("run")["routing/update/churn"].mean()
     pd.testing.assert_series_equal(per_run["routing/update/churn"], direct, check_names=False)
+
+
+def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(runs_root, tmp_path):
+    from analysis.report import report
+
+    result = {"checkpoint": "c.pt", "step": 300, "best_temperature": 0.5,
+              "heldout": {"sampled": {"temperature": 0.5, "mean": 0.25, "se": 0.02, "prompts": 1024, "samples": 1},
+                          "greedy": {"mean": 0.3, "se": 0.014, "prompts": 1024, "samples": 1}}}
+    (tmp_path / "evaluate.json").write_text(json.dumps(result))
+    out = report(ReportConfig(str(runs_root), out=str(tmp_path / "report"), last_k=2,
+                              baseline=str(tmp_path / "evaluate.json")))
+    learning = pd.read_csv(out / "tables" / "learning.csv")
+    assert learning.loc[0, "group"] == "warm start (T=0.5, best on validation)" and learning.loc[0, "final"] == 0.25
+    assert learning["baseline_se"].notna().sum() == 1
+    against = pd.read_csv(out / "tables" / "against_baseline.csv")
+    per_run = pd.read_csv(out / "tables" / "per_run_final.csv")
+    sampled = against[(against["decoding"] == "sampled") & (against["n_runs"] > 0)]
+    assert len(sampled) >= 2  # groups whose runs logged no held-out reward have n_runs 0 and no difference
+    first = sampled.iloc[0]
+    finals = per_run.loc[per_run["group"] == first["group"], "eval/reward"].dropna()
+    assert first["diff"] == pytest.approx(finals.mean() - 0.25) and first["n_runs"] == len(finals)
+    readme = (out / "README.md").read_text()
+    assert "## Against the warm start's best" in readme and "0.250 +- 0.020" in readme
+    assert "0.250 +- 0.020 (baseline)" in readme  # the learning table's first row
+    assert f"--baseline {tmp_path / 'evaluate.json'}" in readme

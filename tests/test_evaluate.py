@@ -22,7 +22,7 @@ import torch
 
 import moe_rl.evaluate as evaluate_module
 import moe_rl.evaluation as evaluation
-from analysis.baseline import baseline_markdown, read_baseline, with_baseline
+from analysis.baseline import against_baseline, baseline_markdown, read_baseline, with_baseline
 from moe_rl.build import build_model
 from moe_rl.cli import main
 from moe_rl.config import LogConfig
@@ -280,3 +280,23 @@ def test_with_baseline_puts_the_warm_start_first(tmp_path):
     greedy_row = with_baseline(table, base, decoding="greedy").loc[0]
     assert greedy_row["final"] == 0.87 and greedy_row["baseline_samples"] == 1
     assert "0.660 +- 0.015" in baseline_markdown([base]) and "0.870 +- 0.011" in baseline_markdown([base])
+
+
+def test_against_baseline_adds_the_baselines_se_to_the_seeds_spread():
+    """Hand-computed: group a (2 runs, sampled 0.70 / 0.74): difference 0.06, SE sqrt(var / n + baseline SE^2) =
+    sqrt(0.0008 / 2 + 0.015^2) = 0.025, t(0.975, 1) = 12.706, so [-0.2577, 0.3777]; group b (3 runs, 0.80 / 0.82 /
+    0.84): 0.16, SE sqrt(0.0004 / 3 + 0.000225) = 0.018930, t(0.975, 2) = 4.3027, so [0.0786, 0.2414], which beats."""
+    base = {"heldout": 0.66, "heldout_se": 0.015, "greedy": 0.87, "greedy_se": 0.011}
+    per_run = pd.DataFrame({"group": ["a", "a", "b", "b", "b"], "eval/reward": [0.70, 0.74, 0.80, 0.82, 0.84],
+                            "eval/greedy": [0.90, 0.90, 0.86, 0.88, 0.90]})
+    table = against_baseline(per_run, base).set_index(["group", "decoding"])
+    a, b = table.loc[("a", "sampled")], table.loc[("b", "sampled")]
+    assert a["diff"] == pytest.approx(0.06) and a["ci_low"] == pytest.approx(-0.2577, abs=1e-4)
+    assert a["ci_high"] == pytest.approx(0.3777, abs=1e-4) and not a["beats_baseline"]
+    assert b["diff"] == pytest.approx(0.16) and b["ci_low"] == pytest.approx(0.0786, abs=1e-4)
+    assert b["ci_high"] == pytest.approx(0.2414, abs=1e-4) and b["beats_baseline"]
+    greedy = table.loc[("b", "greedy")]  # 0.88 - 0.87, SE sqrt(0.0004 / 3 + 0.011^2) = 0.01597
+    assert greedy["diff"] == pytest.approx(0.01) and greedy["ci_low"] == pytest.approx(0.01 - 4.3027 * 0.015967, abs=1e-4)
+    assert not greedy["beats_baseline"]
+    one = against_baseline(per_run[per_run["group"] == "a"].head(1), base)
+    assert math.isnan(one.loc[0, "ci_low"]) and not one.loc[0, "beats_baseline"]  # never with one run
