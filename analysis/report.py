@@ -55,7 +55,11 @@ from moe_rl.runs.provenance import git_state, utc_now
 FINAL_METRICS = ("reward", "eval/reward", "eval/greedy", "completions/mean_length", "routing/update/churn",
                  "routing/update/set_change", "routing/update/token_any", "routing/rollout/set_change",
                  "routing/rollout/token_any", "update/kl",
-                 "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy")
+                 "update/log_ratio_abs_mean", "clip_ratio/region_mean", "ratio/extreme_frac", "entropy",
+                 # sampler vs trainer (docs/metrics.md, "Train-inference mismatch"), where a run logs them
+                 "rollout/kl", "rollout/k1", "rollout/chi2_token", "rollout/ppl_ratio", "rollout/extreme_frac",
+                 "routing/rollout/churn", "routing/replay/replace_rate", "correction/ess",
+                 "correction/truncated_frac", "correction/zeroed_frac", "correction/masked_frac")
 CURVE_METRICS = ("reward", "eval/reward", "eval/greedy", "completions/mean_length", "routing/update/churn",
                  "routing/update/set_change",
                  "routing/update/token_any", "routing/staleness/churn",
