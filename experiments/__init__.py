@@ -8,7 +8,8 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `objective_comparison` | GRPO / +R2 / +R3 / GSPO / GSPO+R2 where GRPO learns (long completions)   | 25 runs, see doc |
 | `stress`               | the same methods at 8x lr and 8 minibatches: who collapses              | 15 runs, see doc |
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
-| `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, 6-9 h   |
+| `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, see doc |
+| `length_generalisation`| does RL beat the best-temperature warm start (7-term sums from 4-6)     | 5 runs, see doc  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from experiments.ablations import ablations
 from experiments.churn_repro import churn_repro
 from experiments.correction import correction
+from experiments.length_generalisation import length_generalisation
 from experiments.objective_comparison import objective_comparison
 from experiments.smoke import smoke
 from experiments.stress import stress
@@ -28,7 +30,8 @@ from experiments.stress import stress
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 
-EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress, correction)}
+EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress, correction,
+                                           length_generalisation)}
 
 
 def get_experiment(name: str) -> Callable[..., Experiment]:
@@ -38,5 +41,5 @@ def get_experiment(name: str) -> Callable[..., Experiment]:
     return EXPERIMENTS[name]
 
 
-__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "correction", "objective_comparison", "smoke",
-           "stress"]
+__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "correction", "length_generalisation",
+           "objective_comparison", "smoke", "stress"]

@@ -104,6 +104,29 @@ def test_architecture_overrides_get_one_warm_start_each(tmp_path):
 # --- overrides ----------------------------------------------------------------------------------------------------
 
 
+def test_a_warm_start_on_its_own_task_serves_runs_on_harder_problems(tmp_path):
+    """Length generalisation: runs on 4- and 5-term problems share one warm start trained on 2-3 terms; without
+    warmstart_own_task each run would get a warm start on its own task."""
+    from dataclasses import replace
+
+    from moe_rl.tasks import TaskConfig
+
+    grid = axis("task.min_terms", [4, 5])
+    own = experiment(grid, warm=True, task=TaskConfig(min_terms=4, max_terms=5))
+
+    def own_task() -> Experiment:
+        return replace(own(), warmstart_own_task=True)
+
+    plan = plan_sweep(own_task, tmp_path / "s")
+    assert len(plan.warmstarts) == 1
+    (warm,) = plan.warmstarts.values()
+    assert (warm.task.min_terms, warm.task.max_terms) == (TaskConfig().min_terms, TaskConfig().max_terms)
+    assert sorted(run.config.task.min_terms for run in plan.runs) == [4, 5]
+    assert len({run.config.init_from for run in plan.runs}) == 1
+    per_run = plan_sweep(own, tmp_path / "t")
+    assert sorted(w.task.min_terms for w in per_run.warmstarts.values()) == [4, 5]
+
+
 def test_overrides_parse_strings_by_the_field_type():
     cfg = with_overrides(tiny_train_config("x"), {"optim.lr": "3e-4", "routing_mode": "R2", "keep_every": "none",
                                                   "probes.enabled": "update,noise", "probes.every": "update:4",

@@ -90,7 +90,7 @@ def plan_sweep(experiment: Callable[..., Experiment], sweep_dir: str | os.PathLi
         cfg = in_wandb_group(cfg, sweep_dir.name)
         key = None
         if warm is not None:
-            key, sft_cfg = warmstart_for(warm, cfg, sweep_dir)
+            key, sft_cfg = warmstart_for(warm, cfg, sweep_dir, own_task=spec.warmstart_own_task)
             sft_cfg = in_wandb_group(sft_cfg, sweep_dir.name)
             warmstarts[key] = sft_cfg
             cfg = dataclasses.replace(cfg, init_from=str(Path(sft_cfg.out_dir) / CHECKPOINTS / LATEST))
@@ -133,12 +133,14 @@ def in_wandb_group(cfg, group: str):
                                                                                              group=group)))
 
 
-def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path) -> tuple[str, SFTConfig]:
-    """The warm start a run needs: the SFT config with the run's architecture, task and device, and its key."""
+def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path,
+                  own_task: bool = False) -> tuple[str, SFTConfig]:
+    """The warm start a run needs: the SFT config with the run's architecture and device, and the run's task (or,
+    with `own_task`, the SFT config's own), and its key."""
     arch = {f.name: getattr(run_cfg.model, f.name) for f in dataclasses.fields(ModelConfig)
             if f.name not in NON_ARCHITECTURE_FIELDS}
-    cfg = dataclasses.replace(sft_cfg, model=dataclasses.replace(sft_cfg.model, **arch), task=run_cfg.task,
-                              device=run_cfg.device)
+    cfg = dataclasses.replace(sft_cfg, model=dataclasses.replace(sft_cfg.model, **arch),
+                              task=sft_cfg.task if own_task else run_cfg.task, device=run_cfg.device)
     stable = stable_config(config_to_dict(cfg))
     digest = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:8]
     m = cfg.model

@@ -13,7 +13,7 @@ class SweepConfig:
     """Run a named experiment as a sweep of runs (see the module docstring for the directory layout)."""
 
     experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
-    """Name of an experiment in experiments/ (smoke, churn_repro, objective_comparison, ablations)."""
+    """Name of an experiment in experiments/ (their table: experiments/__init__.py; an unknown name lists them)."""
     arg: tuple[str, ...] = ()
     """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
     set: tuple[str, ...] = ()

@@ -58,6 +58,9 @@ class Experiment:
     at the warm start of its own architecture. None: the runs start from base.init_from (or random weights)."""
     labels: dict[str, str] = field(default_factory=dict)
     """Extra short names for run names, on top of LABELS."""
+    warmstart_own_task: bool = False
+    """False: each run's warm start trains on the run's own task. True: on the warm start config's task, whatever
+    the runs' (RL on harder problems than the warm start saw, as in a length-generalisation study)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, TrainConfig):
