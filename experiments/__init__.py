@@ -10,6 +10,7 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 | `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, see doc |
 | `length_generalisation`| does RL beat the best-temperature warm start (7-term sums from 4-6)     | 5 runs, see doc  |
+| `stability`            | the stability map: 6 methods x lr and staleness, one axis at a time     | 162 runs, 8-9 h  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
 
@@ -25,13 +26,14 @@ from experiments.correction import correction
 from experiments.length_generalisation import length_generalisation
 from experiments.objective_comparison import objective_comparison
 from experiments.smoke import smoke
+from experiments.stability import stability
 from experiments.stress import stress
 
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 
 EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress, correction,
-                                           length_generalisation)}
+                                           length_generalisation, stability)}
 
 
 def get_experiment(name: str) -> Callable[..., Experiment]:
@@ -42,4 +44,4 @@ def get_experiment(name: str) -> Callable[..., Experiment]:
 
 
 __all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "correction", "length_generalisation",
-           "objective_comparison", "smoke", "stress"]
+           "objective_comparison", "smoke", "stability", "stress"]

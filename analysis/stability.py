@@ -1,0 +1,283 @@
+"""The stability map of a `stability` sweep (experiments/stability.py): per method and per cell of one axis (the
+learning rate at fixed staleness, or the minibatches per rollout batch at a fixed learning rate), how held-out
+accuracy changed, how often it declined, and how far each update moved the policy.
+
+    python -m analysis.stability sweeps/stability --out results/stability [--baseline .../evaluate]
+
+writes the generic report (analysis.report, with per-run tables) and, beside it:
+
+    tables/stability_cells.csv   per axis, method and axis value: n_seeds, change (mean, 95% t CI), n_declined,
+                                 decline_prob, kl_median (mean over seeds of each run's median update/kl)
+    tables/critical.csv          per axis and method: the axis value where the mean change turns negative, with
+                                 its 95% CI (analysis.stats.critical_point, t inversion over seeds)
+    tables/kl_matched.csv        the learning-rate axis read at matched per-update KL: per method and KL point,
+                                 the change (mean, CI over seeds) and its paired difference from the reference
+                                 method (GRPO, native routing), with Holm's adjustment
+    figures/stability_map.png/.pdf
+    STABILITY.md                 the tables above in words, with the definitions
+
+Definitions (also in docs/analysis.md, "The stability map"):
+- change: the mean of a run's last three held-out evaluations (`eval/reward`) minus its step-0 evaluation; three
+  points, not one, so that one noisy evaluation neither makes nor hides a decline.
+- declined: that change is below -2 x its noise floor, sqrt(se_0^2 + mean(se_i^2) / 3), with se the logged
+  `eval/reward_se` of each evaluation (binomial over prompts): the measured noise of one evaluation, not a fixed
+  fraction of the start. A run with fewer than three evaluations after the start is not judged (NaN).
+- critical value: where the seed-mean change crosses zero along the axis (log-linear interpolation), with the
+  t-inversion CI; -inf / inf when the crossing lies below / above the grid.
+- KL-matched: each seed's change is interpolated, in log per-update KL, at KL points inside the range every method
+  covers on the learning-rate axis; a method "more stable" at matched KL gains more for the same step in policy
+  space, which "takes smaller steps" cannot explain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.aggregate import summarize
+from analysis.stats import critical_point, holm, paired_t
+from analysis.style import in_paper_style, new_figure, save
+
+METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
+AXES = {"optim.lr": "learning rate", "minibatches": "minibatches per rollout batch"}
+LAST_EVALUATIONS = 3
+FLOOR_SIGMAS = 2.0
+REFERENCE = "grpo native"
+CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
+                "n_judged", "decline_prob", "kl_median"]
+
+
+def method_name(row) -> str:
+    """'grpo native', 'grpo R2', 'gspo native', 'grpo native TIS cap 2', 'grpo native IcePop [0.5, 2]'."""
+    name = f"{row.get('objective.name', 'grpo')} {row.get('routing_mode', 'native')}"
+    level = row.get("correction.is_level")
+    if isinstance(level, str) and level != "none":
+        band, cap = row.get("correction.is_band"), row.get("correction.is_cap")
+        if _present(band):
+            low, high = band if not isinstance(band, str) else band.strip("[]()").split(",")
+            name += f" IcePop [{float(low):g}, {float(high):g}]"
+        elif _present(cap):
+            name += f" TIS cap {float(cap):g}"
+        if level != "token":
+            name += f" ({level})"
+    return name
+
+
+def _present(value) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return not (isinstance(value, str) and value in ("", "None", "nan"))
+
+
+def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: run, n_after (evaluations after step 0), start, change, floor, declined (NaN where a run
+    has fewer than LAST_EVALUATIONS evaluations after the start). `per_eval`: analysis.per_run.per_run_eval."""
+    rows = []
+    for run, evals in per_eval.sort_values("step").groupby("run", sort=False):
+        evals = evals.dropna(subset=["eval/reward"])
+        start, after = evals[evals["step"] == 0], evals[evals["step"] > 0]
+        row = {"run": run, "n_after": len(after), "start": math.nan, "change": math.nan, "floor": math.nan,
+               "declined": math.nan}
+        if len(start) and len(after) >= LAST_EVALUATIONS:
+            last = after.tail(LAST_EVALUATIONS)
+            se = evals["eval/reward_se"] if "eval/reward_se" in evals else pd.Series(math.nan, index=evals.index)
+            floor = math.sqrt(float(se.loc[start.index[0]]) ** 2 + float((se.loc[last.index] ** 2).mean())
+                              / LAST_EVALUATIONS)
+            change = float(last["eval/reward"].mean() - start["eval/reward"].iloc[0])
+            row.update(start=float(start["eval/reward"].iloc[0]), change=change, floor=floor,
+                       declined=float(change < -FLOOR_SIGMAS * floor) if math.isfinite(floor) else math.nan)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["run", "n_after", "start", "change", "floor", "declined"])
+
+
+def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
+    """per_run (analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`."""
+    frame = per_run.copy()
+    frame["method"] = [method_name(row) for _, row in frame.iterrows()]
+    return frame.merge(run_changes(per_eval), on="run", how="left")
+
+
+def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
+    """The runs of one axis: every other key of `fixed` at its fixed value (a key the table lacks did not vary: every
+    run has it)."""
+    keep = np.ones(len(frame), dtype=bool)
+    for key, value in fixed.items():
+        if key != axis and key in frame:
+            keep &= np.isclose(frame[key].astype(float), float(value))
+    return frame[keep]
+
+
+def swept_axes(frame: pd.DataFrame, fixed: dict) -> list[str]:
+    """The keys of `fixed` that take two or more values among their axis's runs."""
+    return [axis for axis in fixed if axis in frame and axis_runs(frame, axis, fixed)[axis].nunique() >= 2]
+
+
+def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
+    """CELL_COLUMNS, per swept axis of `fixed` (its keys), method and axis value."""
+    rows = []
+    for axis in swept_axes(frame, fixed):
+        for (method, value), runs in axis_runs(frame, axis, fixed).groupby(["method", axis], sort=True):
+            change = summarize(runs["change"])
+            judged = runs["declined"].dropna()
+            rows.append({"axis": axis, "method": method, "value": float(value), "n_seeds": len(runs),
+                         "change": change["mean"], "change_ci_low": change["ci_low"],
+                         "change_ci_high": change["ci_high"], "n_declined": int(judged.sum()),
+                         "n_judged": len(judged), "decline_prob": judged.mean() if len(judged) else math.nan,
+                         "kl_median": runs["kl_median"].mean() if "kl_median" in runs else math.nan})
+    return pd.DataFrame(rows, columns=CELL_COLUMNS)
+
+
+def critical_values(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
+    """Per axis and method: where the seed-mean change turns negative, with its CI (log axis)."""
+    rows = []
+    for axis in swept_axes(frame, fixed):
+        for method, runs in axis_runs(frame, axis, fixed).groupby("method", sort=True):
+            runs = runs.dropna(subset=["change"])
+            if runs[axis].nunique() < 2:
+                continue
+            point = critical_point(runs, axis, "change", log_axis=True)
+            rows.append({"axis": axis, "method": method, "n_seeds": point.n_seeds, "critical": point.value,
+                         "ci_low": point.ci_low, "ci_high": point.ci_high})
+    return pd.DataFrame(rows, columns=["axis", "method", "n_seeds", "critical", "ci_low", "ci_high"])
+
+
+def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_points: int = 3,
+               reference: str = REFERENCE) -> pd.DataFrame:
+    """The `axis` runs read at matched per-update KL (see the module docstring): per KL point and method, the change
+    (mean and CI over seeds) and the paired difference from `reference` (paired t over the seeds both have, Holm
+    across the table's rows). KL points: n_points log-spaced inside the range every method's seed-mean KL covers."""
+    columns = ["kl", "method", "n_seeds", "change", "ci_low", "ci_high", "diff_vs_reference", "diff_ci_low",
+               "diff_ci_high", "p", "p_holm"]
+    if axis not in swept_axes(frame, fixed):
+        return pd.DataFrame(columns=columns)
+    runs = axis_runs(frame, axis, fixed).dropna(subset=["change", "kl_median"])
+    runs = runs[runs["kl_median"] > 0]
+    if runs.empty:
+        return pd.DataFrame(columns=columns)
+    means = runs.groupby(["method", axis])["kl_median"].mean().groupby("method")
+    low, high = np.log(means.min().max()), np.log(means.max().min())
+    if not low < high:
+        return pd.DataFrame(columns=columns)  # no KL range that every method covers
+    points = np.exp(np.linspace(low, high, n_points + 2)[1:-1])
+    curves = {}  # (method, seed) -> change at each KL point
+    for (method, seed), seed_runs in runs.groupby(["method", "seed"]):
+        ordered = seed_runs.sort_values("kl_median")
+        if len(ordered) < 2:
+            continue
+        x = np.log(ordered["kl_median"].to_numpy(dtype=float))
+        y = ordered["change"].to_numpy(dtype=float)
+        inside = (np.log(points) >= x.min()) & (np.log(points) <= x.max())
+        curves[method, seed] = np.where(inside, np.interp(np.log(points), x, y), np.nan)
+    rows = []
+    methods = sorted({m for m, _ in curves})
+    for i, kl in enumerate(points):
+        by_seed = {m: {s: c[i] for (mm, s), c in curves.items() if mm == m and np.isfinite(c[i])} for m in methods}
+        for method in methods:
+            values = pd.Series(by_seed[method], dtype=float)
+            summary = summarize(values)
+            row = {"kl": float(kl), "method": method, "n_seeds": summary["n"], "change": summary["mean"],
+                   "ci_low": summary["ci_low"], "ci_high": summary["ci_high"], "diff_vs_reference": math.nan,
+                   "diff_ci_low": math.nan, "diff_ci_high": math.nan, "p": math.nan, "p_holm": math.nan}
+            shared = sorted(set(by_seed[method]) & set(by_seed.get(reference, {})))
+            if method != reference and len(shared) >= 2:
+                diff = paired_t([by_seed[method][s] for s in shared], [by_seed[reference][s] for s in shared])
+                row.update(diff_vs_reference=diff.mean_diff, diff_ci_low=diff.ci_low, diff_ci_high=diff.ci_high,
+                           p=diff.p)
+            rows.append(row)
+    table = pd.DataFrame(rows, columns=columns)
+    tested = table["p"].notna()
+    if tested.any():
+        table.loc[tested, "p_holm"] = holm(table.loc[tested, "p"].to_numpy(dtype=float))
+    return table
+
+
+@in_paper_style
+def fig_stability_map(cells: pd.DataFrame):
+    """One heat map per axis: methods x axis values, colour = mean held-out change (diverging around 0), each cell
+    annotated with the change and declined / judged seeds."""
+    axes_present = [a for a in AXES if a in set(cells["axis"])]
+    fig, axes = new_figure(1, len(axes_present), row_height=2.8)
+    limit = float(np.nanmax(np.abs(cells["change"]))) if cells["change"].notna().any() else 1.0
+    image = None
+    for ax, axis in zip(axes[0], axes_present):
+        block = cells[cells["axis"] == axis]
+        table = block.pivot(index="method", columns="value", values="change")
+        image = ax.imshow(table.to_numpy(dtype=float), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
+        declined = block.pivot(index="method", columns="value", values="n_declined")
+        judged = block.pivot(index="method", columns="value", values="n_judged")
+        for (i, method), (j, value) in itertools.product(enumerate(table.index), enumerate(table.columns)):
+            change = table.loc[method, value]
+            if math.isfinite(change):
+                ax.text(j, i, f"{change:+.2f}\n{int(declined.loc[method, value])}/{int(judged.loc[method, value])}",
+                        ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(table.columns)), [f"{v:g}" for v in table.columns])
+        ax.set_yticks(range(len(table.index)), table.index)
+        ax.set_xlabel(AXES[axis])
+    if image is not None:
+        fig.colorbar(image, ax=axes[0].tolist(), label="held-out change (last 3 evaluations - start)")
+    return fig
+
+
+def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict) -> str:
+    fixed_text = ", ".join(f"`{k}` = {v:g}" for k, v in fixed.items())
+    lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
+             "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
+             "## Cells", "", "| axis | method | value | seeds | held-out change [95% CI] | declined / judged | "
+             "median KL per update |", "|---|---|---|---|---|---|---|"]
+    for r in cells.itertuples():
+        ci = f" [{r.change_ci_low:+.3f}, {r.change_ci_high:+.3f}]" if math.isfinite(r.change_ci_low) else ""
+        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | {r.change:+.3f}{ci} | "
+                     f"{r.n_declined} / {r.n_judged} | {r.kl_median:.3g} |")
+    lines += ["", "## Critical values", "", "| axis | method | seeds | where the change turns negative [95% CI] |",
+              "|---|---|---|---|"]
+    for r in critical.itertuples():
+        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.n_seeds} | {r.critical:.3g} "
+                     f"[{r.ci_low:.3g}, {r.ci_high:.3g}] |")
+    lines += ["", f"## At matched per-update KL (learning-rate axis; differences from {REFERENCE}, paired over seeds)",
+              "", "| KL per update | method | seeds | change [95% CI] | minus reference [95% CI] | p (Holm) |",
+              "|---|---|---|---|---|---|"]
+    for r in matched.itertuples():
+        diff = (f"{r.diff_vs_reference:+.3f} [{r.diff_ci_low:+.3f}, {r.diff_ci_high:+.3f}]"
+                if math.isfinite(r.diff_vs_reference) else "")
+        p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
+        lines.append(f"| {r.kl:.3g} | {r.method} | {r.n_seeds} | {r.change:+.3f} | {diff} | {p} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from analysis.load import load_runs
+    from analysis.per_run import per_run_eval
+    from analysis.report import ReportConfig, report
+    from experiments.stability import FIXED_LR, FIXED_MINIBATCHES
+
+    parser = argparse.ArgumentParser(prog="python -m analysis.stability", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", help="the stability sweep directory (or any folder of its runs)")
+    parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
+    parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
+    parser.add_argument("--fixed-lr", type=float, default=FIXED_LR, help="the learning rate of the staleness axis")
+    parser.add_argument("--fixed-minibatches", type=int, default=FIXED_MINIBATCHES,
+                        help="the minibatches per rollout batch of the learning-rate axis")
+    args = parser.parse_args(argv)
+    out = report(ReportConfig(args.runs, out=args.out, baseline=args.baseline))
+    per_run = pd.read_csv(out / "tables" / "per_run_final.csv")
+    frame = with_methods(per_run, per_run_eval(load_runs(args.runs)))
+    fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
+    cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
+    matched = kl_matched(frame, fixed)
+    for name, table in (("stability_cells", cells), ("critical", critical), ("kl_matched", matched)):
+        table.to_csv(out / "tables" / f"{name}.csv", index=False)
+    save(fig_stability_map(cells), out / "figures", "stability_map")
+    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed), encoding="utf-8")
+    print(f"analysis.stability: {len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""stability: the stability map. Where, as the step size or the staleness grows, does each method stop learning, and
+does Routing Replay (R2, R3), GSPO or a rollout correction (TIS, IcePop) move that edge?
+
+Two axes, each with the other held fixed (issue "Science 3", item 3), so that a change in the outcome has one cause:
+
+    learning rate      2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4        at 4 minibatches per rollout batch
+    staleness          1, 2, 4, 8, 16 minibatches per batch  at lr 5e-5 (m minibatches: m - 1 of m updates are
+                                                             off-policy, the last on data m - 1 updates old)
+
+per method: GRPO with native routing, GRPO+R2, GRPO+R3, GSPO, GRPO+TIS (token, cap 2) and GRPO+IcePop (band
+[0.5, 2]); the two axes share the cell (5e-5, 4 minibatches). The regime is length_generalisation's (the long-regime
+warm start, RL on 7-term running sums, a bf16 sampler so that R3 differs from R2), so that "learns" means more than
+sharpening; runs are short (15 rollout steps, evaluations at steps 0, 5, 10 and 15 on 1,024 held-out prompts,
+sampled and greedy), since a decline shows early. analysis/stability.py turns the sweep into the map: per cell the
+held-out change with its CI, the decline probability and the per-update KL; per method its critical lr and
+staleness with CIs; methods compared at matched per-update KL, so that "more stable" cannot mean "takes smaller
+steps"; and the figure.
+
+    moe-rl sweep stability --workers 2                               # CPU: 6 methods x 9 cells x 3 seeds
+    moe-rl sweep stability --arg axes=lr --arg methods=grpo,grpo+R2  # one axis, two methods
+    moe-rl sweep stability --arg n_layers=16                         # the deep arm (its own warm start)
+    python -m analysis.stability sweeps/stability --out results/stability \\
+        --baseline sweeps/stability/warmstart/<key>/evaluate
+    moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
+
+CPU, estimated from length_generalisation's timing (not yet run): a 15-step run about 5-7 minutes with two runs on
+2 cores, so the full map (162 runs) about 8-9 hours with --workers 2: run it in several sittings (the sweep
+resumes), one axis or a few methods at a time, and spend extra seeds (`--arg seeds=5`) near each frontier.
+GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_rl.errors import ConfigError
+from moe_rl.sweep.grid import Experiment, product, union
+
+from experiments.correction import ICEPOP, LABELS as CORRECTION_LABELS, TIS
+from experiments.length_generalisation import length_generalisation
+
+METHODS = {
+    "grpo": {"routing_mode": "native"},
+    "grpo+R2": {"routing_mode": "R2"},
+    "grpo+R3": {"routing_mode": "R3"},
+    "gspo": {"objective.name": "gspo", "routing_mode": "native"},
+    "grpo+TIS": {"routing_mode": "native", **TIS},
+    "grpo+IcePop": {"routing_mode": "native", **ICEPOP},
+}
+LRS = (2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4)
+MINIBATCHES = (1, 2, 4, 8, 16)
+FIXED_LR, FIXED_MINIBATCHES = 5e-5, 4  # each axis holds the other at these
+AXES = ("both", "lr", "staleness")
+
+
+def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
+              n_layers: int = 0) -> Experiment:
+    """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`;
+    `n_layers` 0 keeps the regime's 4 MoE blocks."""
+    chosen = _methods(methods)
+    if axes not in AXES:
+        raise ConfigError(f"axes={axes!r} must be one of {', '.join(AXES)}")
+    lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in LRS]
+    staleness_cells = [{"optim.lr": FIXED_LR, "minibatches": m} for m in MINIBATCHES]
+    cells = union(*({"both": (lr_cells, staleness_cells), "lr": (lr_cells,), "staleness": (staleness_cells,)}[axes]))
+    regime = length_generalisation(scale, seeds=1, steps=steps)
+    base = regime.base
+    if n_layers:
+        base = replace(base, model=replace(base.model, n_layers=n_layers))
+    # Evaluations at 0, 5, 10, 15: a decline is judged over at least three after the start.
+    base = replace(base, log=replace(base.log, eval_every=5))
+    # Seed first: a sweep stopped part way leaves whole seeds of every cell, the pairs the comparisons need.
+    grid = product([{"seed": s} for s in range(seeds)], cells, [METHODS[m] for m in chosen])
+    return Experiment(base, grid, warmstart=regime.warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS)
+
+
+def _methods(methods: str) -> list[str]:
+    if methods == "all":
+        return list(METHODS)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ConfigError(f"methods={methods!r}: each must be one of {', '.join(METHODS)} (or 'all')")
+    return names
+
