@@ -17,6 +17,7 @@ included; their status is in the tables and diverged runs are marked where they 
     <out>/tables/per_run_final.csv         per run: the values every table above summarises (analysis.per_run)
     <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
     <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
+    <out>/tables/scaling_set_change_check.csv  lr sweeps: per top-k, set change / slot churn against 1-(1-c)^K / c
     <out>/tables/against_baseline.csv      with --baseline: each group's final held-out minus the warm start's best
 
     moe-rl report runs/ --out results/churn
@@ -46,7 +47,8 @@ from analysis.learning import learning_table
 from analysis.per_run import per_run_eval, per_run_final
 from analysis.report_text import (baseline_section, learning_markdown, paired_markdown, scaling_markdown,
                                   skipped_markdown)
-from analysis.scaling import coefficient_table, extrapolation_table, held_out_check, near_level_cells, split_target
+from analysis.scaling import (coefficient_table, extrapolation_table, held_out_check, near_level_cells,
+                              set_change_check, split_target)
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
 from moe_rl.runs.claim import check_out_dir
@@ -193,7 +195,7 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
     if fit_runs["optim.lr"].nunique() < 2:
         return {}
     tables = {"scaling_fit": coefficient_table(fit_runs), "scaling_extrapolation": extrapolation_table(fit_runs),
-              "near_10pct": near_level_cells(cells)}
+              "scaling_set_change_check": set_change_check(fit_runs), "near_10pct": near_level_cells(cells)}
     if len(paper_runs):
         tables["scaling_check"] = held_out_check(fit_runs, paper_runs)
     return tables

@@ -23,6 +23,16 @@ generator), percentile 95% intervals for every coefficient and every prediction.
     table = extrapolation_table(fit_runs)       # the reading at 48 layers / 128 experts / top-8, and the KL
                                                 #   that would give 10% there, with bootstrap CIs
     held_out_check(fit_runs, paper_runs)        # the prediction beside what the held-out paper-shaped runs measured
+    set_change_check(fit_runs)                  # per top-k: measured set change / slot churn against 1-(1-c)^K / c
+
+Set change is bounded by its own definition: a top-K set that changed has at least one changed slot, so set change
+<= K x slot churn. A power law fitted to set change directly does not know that, and when E and K move together
+in the runs (8/2 and 64/8), its E exponent carries the K change, so an extrapolation along E alone can break the
+bound (the committed churn_repro fit predicted 1.28% set change beside 0.10% slot churn at top-8, 12.5x). So the
+extrapolation table also derives set change from the slot-churn law, set_change = 1 - (1 - c)^K (the K slots of a
+decision changing independently with probability c), which never exceeds K c: the row `set_change_from_churn`.
+`set_change_check` says how well that form holds on the runs themselves (measured ratio set change / slot churn
+beside the form's (1 - (1 - c)^K) / c, per top-k).
 """
 
 from __future__ import annotations
@@ -184,7 +194,55 @@ def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict 
                      "predicted_ci_high": _interval(predicted)[1], f"driver_for_{level:g}": law.driver_for(level, settings),
                      "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
                      "dropped": ",".join(law.dropped)})
+    if "churn" in readings and "set_change" in readings:
+        settings = {DRIVERS[driver]: ref, **target}
+        common = {"driver": DRIVERS[driver], "driver_ref": ref, **{k.split(".")[-1]: v for k, v in target.items()}}
+        rows.append({**common, **derived_set_change_row(per_run, settings, driver, level)})
+        slot = next(r["predicted"] for r in rows if r["reading"] == "churn")
+        for row in rows:  # set change <= K x slot churn, by definition: does each set-change row respect it?
+            if row["reading"].startswith("set_change"):
+                row["within_k_slot_bound"] = bool(row["predicted"] <= target["model.top_k"] * slot * (1 + 1e-9))
     return pd.DataFrame(rows)
+
+
+def set_change_from_slot(slot_churn: float, top_k: float) -> float:
+    """1 - (1 - c)^K: the share of top-K decisions with at least one changed slot when each of the K slots changes
+    independently with probability c; at most K c, and about K c (1 - (K - 1) c / 2) for small c."""
+    return 1.0 - (1.0 - min(max(slot_churn, 0.0), 1.0)) ** top_k
+
+
+def slot_for_set_change(level: float, top_k: float) -> float:
+    """The slot churn c at which 1 - (1 - c)^K reaches `level`."""
+    return 1.0 - (1.0 - level) ** (1.0 / top_k)
+
+
+def derived_set_change_row(per_run: pd.DataFrame, settings: dict, driver: str, level: float) -> dict:
+    """The extrapolation row `set_change_from_churn`: set change from the slot-churn law at `settings`, with the
+    slot law's bootstrap for its CI (see the module docstring)."""
+    law, boots = fit_power_law(per_run, "churn", driver), bootstrap_laws(per_run, "churn", driver)
+    k = settings["model.top_k"]
+    predicted = [set_change_from_slot(b.predict(settings), k) for b in boots]
+    needed = [b.driver_for(slot_for_set_change(level, k), settings) for b in boots]
+    return {"reading": "set_change_from_churn", "predicted": set_change_from_slot(law.predict(settings), k),
+            "predicted_ci_low": _interval(predicted)[0], "predicted_ci_high": _interval(predicted)[1],
+            f"driver_for_{level:g}": law.driver_for(slot_for_set_change(level, k), settings),
+            "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
+            "dropped": ",".join(law.dropped)}
+
+
+def set_change_check(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Per top-k over the runs with both readings > 0: the measured ratio set change / slot churn (mean and t CI
+    over runs) beside the ratio 1 - (1 - c)^K over c at each run's own c (mean over runs), and K, the bound."""
+    frame = _usable(per_run, "set_change", "churn")
+    rows = []
+    for k, runs in frame.groupby("model.top_k"):
+        ratio = summarize(runs["set_change"] / runs["churn"])
+        model = [set_change_from_slot(c, k) / c for c in runs["churn"]]
+        rows.append({"top_k": int(k), "n_runs": ratio["n"], "measured_ratio": ratio["mean"],
+                     "ratio_ci_low": ratio["ci_low"], "ratio_ci_high": ratio["ci_high"],
+                     "independent_slots_ratio": float(np.mean(model)), "bound": int(k)})
+    return pd.DataFrame(rows, columns=["top_k", "n_runs", "measured_ratio", "ratio_ci_low", "ratio_ci_high",
+                                       "independent_slots_ratio", "bound"])
 
 
 def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -281,6 +281,39 @@ def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
     assert by_warm_start > 2 * by_runs  # 0.49 against 0.16 here
 
 
+def test_set_change_derived_from_slot_churn_respects_its_bound_where_the_direct_fit_breaks_it():
+    """The reviewer's case: E and K move together in the runs (8/2 and 64/8), slot churn does not depend on E or K
+    at all, and set change is exactly 1 - (1 - c)^K. The direct set-change fit puts the K change into an E exponent
+    of log 4 / log 8 = 0.667, so at 128/8 it predicts 2^0.667 = 1.59x the 64/8 value, about 12.6 x slot churn:
+    more than K = 8 allows. The derived row stays at 1 - (1 - c)^8."""
+    from analysis.scaling import set_change_check, set_change_from_slot
+
+    rows = []
+    for layers in (4, 8):
+        for experts, top_k in ((8, 2), (64, 8)):
+            for kl in (1e-4, 3e-4, 1e-3):
+                churn = 0.01 * (kl / 1e-3) ** 0.5 * (layers / 4) ** -0.3
+                rows.append({"run": f"r{len(rows)}", "kl_median": kl, "optim.lr": kl, "model.n_layers": layers,
+                             "model.n_experts": experts, "model.top_k": top_k, "churn": churn,
+                             "set_change": set_change_from_slot(churn, top_k), "learns": True})
+    runs = pd.DataFrame(rows)
+    table = extrapolation_table(runs).set_index("reading")
+    slot = table.loc["churn", "predicted"]
+    assert slot == pytest.approx(0.01 * (table.loc["churn", "driver_ref"] / 1e-3) ** 0.5 * 12 ** -0.3, rel=1e-6)
+    direct, derived = table.loc["set_change"], table.loc["set_change_from_churn"]
+    assert direct["predicted"] / slot == pytest.approx(8 * 2 ** (math.log(4) / math.log(8)), rel=0.03)
+    assert not direct["within_k_slot_bound"]
+    assert derived["predicted"] == pytest.approx(set_change_from_slot(slot, 8), rel=1e-6)
+    assert derived["within_k_slot_bound"] and derived["predicted"] <= 8 * slot
+    assert derived["predicted_ci_low"] <= derived["predicted"] <= derived["predicted_ci_high"]
+    # the KL at which the derived set change reaches 10% gives 10% when put back through both laws
+    kl_10 = derived["driver_for_0.1"]
+    assert set_change_from_slot(0.01 * (kl_10 / 1e-3) ** 0.5 * 12 ** -0.3, 8) == pytest.approx(0.1, rel=1e-6)
+    check = set_change_check(runs).set_index("top_k")
+    assert check.loc[8, "measured_ratio"] == pytest.approx(check.loc[8, "independent_slots_ratio"], rel=1e-9)
+    assert check.loc[2, "bound"] == 2 and check.loc[8, "measured_ratio"] < 8
+
+
 def test_scaling_fit_drops_what_the_runs_do_not_vary_and_refuses_a_fixed_driver():
     runs = _synthetic_runs(noise=0.0)
     law = fit_power_law(runs[runs["model.n_experts"] == 64])  # K still varies (4, 8); E does not
