@@ -21,6 +21,7 @@ reward on 256 prompts every 5 steps; an emulated bf16 sampler). Every (E, K) has
     moe-rl sweep churn_repro --arg full=true --workers 2          # 3 seeds x 3 lr x 3 depths x 3 (E, K) = 81 runs
     moe-rl sweep churn_repro --arg paper=true --workers 2         # + 48 MoE blocks, 128 experts, top-8, width 64/32
     moe-rl sweep churn_repro --arg lrs=1e-4,3e-4 layers=4 experts=64/8 seeds=5   # a slice
+    moe-rl sweep churn_repro --arg fixed_init=true --workers 2    # every depth with the 4-block residual init scale
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --time 120
 
 CPU (default): lr 5e-5 and 1.5e-4 x the L-shaped architecture grid {4 blocks 8/2, 4 blocks 64/8, 8 blocks 64/8}
@@ -95,13 +96,15 @@ def _architectures(layers: tuple[int, ...], moe: list[Point], full: bool) -> lis
 
 def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[float, ...] = (),
                 layers: tuple[int, ...] = (), experts: tuple[str, ...] = (), full: bool = False,
-                paper: bool = False, paper_lrs: tuple[float, ...] = ()) -> Experiment:
+                paper: bool = False, paper_lrs: tuple[float, ...] = (), fixed_init: bool = False) -> Experiment:
     """Update churn over lr x architecture x seeds; `experts` entries read "E/K" (e.g. 8/2,64/8), each at the same
     active expert width (see _moe). The architectures are the L-shaped grid of _architectures (every depth at the
     last E/K entry, every E/K entry at the first depth), or every depth x E/K with `full`.
 
     Empty values take the scale's defaults (LRS, LAYERS, EXPERTS, STEPS), the larger grid with `full`. `paper`
-    adds the paper-shaped arm (PAPER_MODEL at `paper_lrs`, default PAPER_LRS) with the same seeds."""
+    adds the paper-shaped arm (PAPER_MODEL at `paper_lrs`, default PAPER_LRS) with the same seeds. `fixed_init`
+    holds the residual-branch init scale at the shallowest depth's 1/sqrt(2 L) for every depth
+    (`model.init_depth`), the arm that separates depth from the init that shrinks with it."""
     if scale not in LRS:
         raise ConfigError(f"scale={scale!r}: use one of {', '.join(LRS)}")
     if seeds < 1:
@@ -113,5 +116,8 @@ def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[f
     grid = product(axis("optim.lr", lrs or LRS[scale][pick]), _architectures(layers or LAYERS[scale][pick], moe, full))
     if paper:
         grid = union(grid, product(axis("optim.lr", paper_lrs or PAPER_LRS[scale]), [PAPER_MODEL]))
-    labels = {"model.d_model": "d", "model.d_expert": "dexp"}
+    labels = {"model.d_model": "d", "model.d_expert": "dexp", "model.init_depth": "init_depth"}
+    if fixed_init:
+        shallowest = min(layers or LAYERS[scale][pick])
+        grid = [{**point, "model.init_depth": shallowest} for point in grid]
     return Experiment(base, product(grid, axis("seed", range(seeds))), warmstart=warm, labels=labels)

@@ -126,6 +126,16 @@ def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture
         plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16/3"})
 
 
+def test_churn_repro_fixed_init_holds_the_residual_init_scale_across_depths():
+    plan = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"fixed_init": "true"})
+    assert {r.config.model.init_depth for r in plan.runs} == {4}
+    assert {r.config.model.n_layers for r in plan.runs} == {4, 8}
+    assert all(w.model.init_depth == 4 for w in plan.warmstarts.values())  # the warm start is initialised so
+    default = plan_sweep(get_experiment("churn_repro"), "/tmp/unused")
+    assert {r.config.model.init_depth for r in default.runs} == {0} and set(plan.warmstarts).isdisjoint(
+        default.warmstarts)
+
+
 def test_ablations_change_one_knob_at_a_time():
     plan = plan_sweep(get_experiment("ablations"), "/tmp/unused")
     base = next(r for r in plan.runs if r.name == "base,seed=0").config

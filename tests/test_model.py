@@ -254,3 +254,19 @@ def test_z_loss_at_coefficient_zero_is_skipped_without_changing_the_loss_or_grad
     assert torch.equal(loss_skipped, loss_computed)
     assert all(torch.equal(a, b) for a, b in zip(grads_skipped, grads_computed))
     assert tiny_model(z_loss_coef=1e-3)(ids, valid).z_loss.requires_grad
+
+
+def test_init_depth_holds_the_residual_init_scale_while_depth_changes():
+    """GPT-2's init scales the residual output projections by 1/sqrt(2 L): a deeper model starts with smaller
+    residual branches. init_depth fixes the L in that scale, so a depth sweep can hold it fixed."""
+    def out_std(**kw):
+        model = tiny_model(d_model=64, **kw)
+        return torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith(("out.weight",
+                                                                                         "w_down"))]).std().item()
+
+    init = tiny_config().init_std
+    assert out_std(n_layers=2) == pytest.approx(init / 2, rel=0.05)
+    assert out_std(n_layers=8) == pytest.approx(init / 4, rel=0.05)
+    assert out_std(n_layers=8, init_depth=2) == pytest.approx(init / 2, rel=0.05)
+    with pytest.raises(ConfigError, match="init_depth"):
+        tiny_config(init_depth=-1)

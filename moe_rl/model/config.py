@@ -79,7 +79,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     init_std: float = 0.02
-    """Standard deviation of the normal weight init; output projections are scaled by 1/sqrt(2 n_layers)."""
+    """Standard deviation of the normal weight init; output projections are scaled by 1/sqrt(2 init_depth)."""
+    init_depth: int = 0
+    """The depth in that 1/sqrt(2 x depth) scale of the residual output projections (GPT-2's init); 0: n_layers.
+    Set it to one value across a depth sweep to hold the init scale fixed while the depth changes."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
 
@@ -87,7 +90,7 @@ class ModelConfig:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
                       "n_experts", "top_k", "d_expert", "moe_every", "d_dense"):
             check_positive(field, getattr(self, field))
-        for field in ("d_shared_expert", "aux_loss_coef", "z_loss_coef", "init_std"):
+        for field in ("d_shared_expert", "aux_loss_coef", "z_loss_coef", "init_std", "init_depth"):
             check_positive(field, getattr(self, field), allow_zero=True)
         check_positive("norm_eps", self.norm_eps)
         check_positive("rope_theta", self.rope_theta)

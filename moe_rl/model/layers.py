@@ -206,8 +206,9 @@ from moe_rl.model.precision import SAMPLER_PRECISIONS, engine_router_dtype, samp
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
-    """Normal(0, init_std) for matrices; residual output projections scaled down by depth (GPT-2)."""
-    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    """Normal(0, init_std) for matrices; residual output projections scaled down by depth (GPT-2): by
+    1/sqrt(2 init_depth), init_depth defaulting to n_layers."""
+    out_std = cfg.init_std / math.sqrt(2 * (cfg.init_depth or cfg.n_layers))
     for name, p in module.named_parameters():
         if p.dim() < 2:
             continue
