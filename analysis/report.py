@@ -48,7 +48,7 @@ from analysis.per_run import per_run_eval, per_run_final
 from analysis.report_text import (baseline_section, learning_markdown, paired_markdown, scaling_markdown,
                                   skipped_markdown)
 from analysis.scaling import (coefficient_table, extrapolation_table, held_out_check, near_level_cells,
-                              set_change_check, split_target)
+                              set_change_check, split_target, warm_start_cluster)
 from analysis.style import FORMATS, save
 from moe_rl.errors import check_positive
 from moe_rl.runs.claim import check_out_dir
@@ -191,13 +191,18 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
     if per_run["optim.lr"].nunique() < 2 or per_run[["churn", "set_change", "kl_median"]].isna().all().any():
         return {}
     per_run["learns"] = per_run["group"].map(cells.set_index("group")["learns"]).fillna(False).astype(bool)
+    if "init_from" in data.runs:
+        per_run["init_from"] = per_run["run"].map(data.runs.set_index("run")["init_from"])
     fit_runs, paper_runs = split_target(per_run)
     if fit_runs["optim.lr"].nunique() < 2:
         return {}
-    tables = {"scaling_fit": coefficient_table(fit_runs), "scaling_extrapolation": extrapolation_table(fit_runs),
+    cluster = warm_start_cluster(fit_runs)
+    tables = {"scaling_fit": coefficient_table(fit_runs, cluster=cluster),
+              "scaling_extrapolation": extrapolation_table(fit_runs, cluster=cluster),
               "scaling_set_change_check": set_change_check(fit_runs), "near_10pct": near_level_cells(cells)}
+    tables["scaling_fit"]["bootstrap"] = "warm starts, then runs" if cluster else "runs"
     if len(paper_runs):
-        tables["scaling_check"] = held_out_check(fit_runs, paper_runs)
+        tables["scaling_check"] = held_out_check(fit_runs, paper_runs, cluster=cluster)
     return tables
 
 

@@ -59,7 +59,11 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
     fit, extra, near = tables["scaling_fit"], tables["scaling_extrapolation"], tables["near_10pct"]
     lines = ["", "## Churn scaling fit", "",
              "log(reading) = a + b log(median KL per update) + c log(MoE layers) + d log(experts) + e log(top-k), "
-             "least squares over runs; [95% CI] from a bootstrap over runs (analysis/scaling.py, docs/analysis.md). "
+             "least squares over runs; [95% CI] from a bootstrap over "
+             + ("warm starts, then runs within them" if (fit.get("bootstrap", pd.Series(["runs"])) != "runs").any()
+                else "runs (not every architecture has two or more warm starts: the intervals leave out "
+                      "warm-start variance)")
+             + " (analysis/scaling.py, docs/analysis.md). "
              "A term the runs do not vary is left out (blank).", "",
              "| reading | term | estimate [CI] | R^2 | runs |", "|---|---|---|---|---|"]
     for _, r in fit.iterrows():

@@ -151,12 +151,13 @@ def _interval(values) -> tuple[float, float]:
     return (float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))) if len(x) else (math.nan, math.nan)
 
 
-def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED_READINGS) -> pd.DataFrame:
+def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED_READINGS,
+                      cluster: str | None = None) -> pd.DataFrame:
     """One row per reading and term: reading, term, estimate, ci_low, ci_high, r2, n_runs, n_excluded (dropped
-    predictors appear with NaN estimates)."""
+    predictors appear with NaN estimates); `cluster` as in bootstrap_laws."""
     rows = []
     for reading in readings:
-        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver)
+        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver, cluster=cluster)
         terms = [("intercept", law.intercept, [b.intercept for b in boots])]
         terms += [(p, c, [b.coef[i] for b in boots]) for i, (p, c) in enumerate(zip(law.predictors, law.coef))]
         terms += [(p, math.nan, []) for p in law.dropped]
@@ -176,15 +177,15 @@ def reference_driver(per_run: pd.DataFrame, driver: str = "kl") -> float:
 
 
 def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict | None = None,
-                        readings=FITTED_READINGS, level: float = PAPER_CHURN) -> pd.DataFrame:
+                        readings=FITTED_READINGS, level: float = PAPER_CHURN, cluster: str | None = None) -> pd.DataFrame:
     """Per reading: the reading predicted at `target` (default TARGET: 48 layers, 128 experts, top-8) at the
     reference driver value (`reference_driver`), and the driver value at which it reaches `level` (10%), each
-    with a bootstrap 95% CI."""
+    with a bootstrap 95% CI (`cluster` as in bootstrap_laws)."""
     target = {**TARGET, **(target or {})}
     ref = reference_driver(per_run, driver)
     rows = []
     for reading in readings:
-        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver)
+        law, boots = fit_power_law(per_run, reading, driver), bootstrap_laws(per_run, reading, driver, cluster=cluster)
         settings = {DRIVERS[driver]: ref, **target}
         predicted = [b.predict(settings) for b in boots]
         needed = [b.driver_for(level, settings) for b in boots]
@@ -197,7 +198,7 @@ def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict 
     if "churn" in readings and "set_change" in readings:
         settings = {DRIVERS[driver]: ref, **target}
         common = {"driver": DRIVERS[driver], "driver_ref": ref, **{k.split(".")[-1]: v for k, v in target.items()}}
-        rows.append({**common, **derived_set_change_row(per_run, settings, driver, level)})
+        rows.append({**common, **derived_set_change_row(per_run, settings, driver, level, cluster)})
         slot = next(r["predicted"] for r in rows if r["reading"] == "churn")
         for row in rows:  # set change <= K x slot churn, by definition: does each set-change row respect it?
             if row["reading"].startswith("set_change"):
@@ -216,10 +217,11 @@ def slot_for_set_change(level: float, top_k: float) -> float:
     return 1.0 - (1.0 - level) ** (1.0 / top_k)
 
 
-def derived_set_change_row(per_run: pd.DataFrame, settings: dict, driver: str, level: float) -> dict:
+def derived_set_change_row(per_run: pd.DataFrame, settings: dict, driver: str, level: float,
+                           cluster: str | None = None) -> dict:
     """The extrapolation row `set_change_from_churn`: set change from the slot-churn law at `settings`, with the
     slot law's bootstrap for its CI (see the module docstring)."""
-    law, boots = fit_power_law(per_run, "churn", driver), bootstrap_laws(per_run, "churn", driver)
+    law, boots = fit_power_law(per_run, "churn", driver), bootstrap_laws(per_run, "churn", driver, cluster=cluster)
     k = settings["model.top_k"]
     predicted = [set_change_from_slot(b.predict(settings), k) for b in boots]
     needed = [b.driver_for(slot_for_set_change(level, k), settings) for b in boots]
@@ -245,6 +247,16 @@ def set_change_check(per_run: pd.DataFrame) -> pd.DataFrame:
                                        "independent_slots_ratio", "bound"])
 
 
+def warm_start_cluster(per_run: pd.DataFrame) -> str | None:
+    """"init_from" where every architecture of the runs has two or more warm starts (the intervals can then resample
+    warm starts, then runs within them); None otherwise (a warm start per architecture would make architectures
+    the clusters, and a resample of them could not fit the architecture terms)."""
+    if "init_from" not in per_run or per_run["init_from"].isna().any():
+        return None
+    per_arch = per_run.groupby(list(ARCHITECTURE))["init_from"].nunique()
+    return "init_from" if len(per_arch) and (per_arch >= 2).all() else None
+
+
 def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(runs to fit, runs of the target architecture): runs of the paper-shaped arm (TARGET's depth, E and K)
     are held out of the fit, so that the extrapolation can be checked against them."""
@@ -254,12 +266,13 @@ def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.
 
 
 def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str = "kl",
-                   readings=FITTED_READINGS) -> pd.DataFrame:
+                   readings=FITTED_READINGS, cluster: str | None = None) -> pd.DataFrame:
     """Per reading and learning rate of the held-out runs: their measured reading (mean and bootstrap CI over
     runs) beside the law's prediction at their median driver value (with its bootstrap CI)."""
     rows = []
     for reading in readings:
-        law, boots = fit_power_law(fit_runs, reading, driver), bootstrap_laws(fit_runs, reading, driver)
+        law, boots = (fit_power_law(fit_runs, reading, driver),
+                      bootstrap_laws(fit_runs, reading, driver, cluster=cluster))
         for lr, runs in held_out.groupby("optim.lr"):
             settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
                         **{k: float(runs[k].iloc[0]) for k in ARCHITECTURE}}

@@ -22,6 +22,7 @@ reward on 256 prompts every 5 steps; an emulated bf16 sampler). Every (E, K) has
     moe-rl sweep churn_repro --arg paper=true --workers 2         # + 48 MoE blocks, 128 experts, top-8, width 64/32
     moe-rl sweep churn_repro --arg lrs=1e-4,3e-4 layers=4 experts=64/8 seeds=5   # a slice
     moe-rl sweep churn_repro --arg fixed_init=true --workers 2    # every depth with the 4-block residual init scale
+    moe-rl sweep churn_repro --arg k_cells=true warm_starts=2 seeds=4 --workers 2   # E and K apart, 2 warm starts
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --time 120
 
 CPU (default): lr 5e-5 and 1.5e-4 x the L-shaped architecture grid {4 blocks 8/2, 4 blocks 64/8, 8 blocks 64/8}
@@ -55,6 +56,9 @@ LRS = {"cpu": ((5e-5, 1.5e-4), (5e-5, 1.5e-4, 4e-4)), "gpu": ((1e-6, 1e-5, 1e-4)
 LAYERS = {"cpu": ((4, 8), (2, 4, 8)), "gpu": ((12, 24, 48), (12, 24, 48))}
 EXPERTS = {"cpu": (("8/2", "64/8"), ("8/2", "32/4", "64/8")), "gpu": (("64/8", "128/8"), ("64/8", "128/8"))}
 STEPS = {"cpu": 20, "gpu": 100}
+# Cells that separate E from K at the default grid's active width: with 8/2 and 64/8, 64/2 moves E alone (8 -> 64
+# at top-2) and 8/8 K alone (top-2 -> top-8 of 8); 128/8 moves E alone at top-8 (64 -> 128), the paper's (E, K).
+K_CELLS = {"cpu": ("64/2", "8/8", "128/8"), "gpu": ("128/2", "64/2")}
 # The paper-shaped depth arm: the GSPO paper's 48 MoE blocks, 128 experts, top-8, at a width CPUs can train.
 PAPER_MODEL = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8, "model.d_model": 64,
                "model.d_expert": 32}
@@ -96,7 +100,8 @@ def _architectures(layers: tuple[int, ...], moe: list[Point], full: bool) -> lis
 
 def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[float, ...] = (),
                 layers: tuple[int, ...] = (), experts: tuple[str, ...] = (), full: bool = False,
-                paper: bool = False, paper_lrs: tuple[float, ...] = (), fixed_init: bool = False) -> Experiment:
+                paper: bool = False, paper_lrs: tuple[float, ...] = (), fixed_init: bool = False,
+                k_cells: bool = False, warm_starts: int = 1) -> Experiment:
     """Update churn over lr x architecture x seeds; `experts` entries read "E/K" (e.g. 8/2,64/8), each at the same
     active expert width (see _moe). The architectures are the L-shaped grid of _architectures (every depth at the
     last E/K entry, every E/K entry at the first depth), or every depth x E/K with `full`.
@@ -104,7 +109,10 @@ def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[f
     Empty values take the scale's defaults (LRS, LAYERS, EXPERTS, STEPS), the larger grid with `full`. `paper`
     adds the paper-shaped arm (PAPER_MODEL at `paper_lrs`, default PAPER_LRS) with the same seeds. `fixed_init`
     holds the residual-branch init scale at the shallowest depth's 1/sqrt(2 L) for every depth
-    (`model.init_depth`), the arm that separates depth from the init that shrinks with it."""
+    (`model.init_depth`), the arm that separates depth from the init that shrinks with it. `k_cells` adds, at the
+    first depth, the cells K_CELLS[scale] that separate E from K at the same active width (E fixed while K moves,
+    and K fixed while E moves). `warm_starts` > 1 gives each architecture that many warm starts (run seed s uses
+    warm start s mod warm_starts), so that the fit's intervals can resample warm starts."""
     if scale not in LRS:
         raise ConfigError(f"scale={scale!r}: use one of {', '.join(LRS)}")
     if seeds < 1:
@@ -114,10 +122,17 @@ def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[f
     active_width = base.model.top_k * base.model.d_expert
     moe = _moe(experts or EXPERTS[scale][pick], active_width)
     grid = product(axis("optim.lr", lrs or LRS[scale][pick]), _architectures(layers or LAYERS[scale][pick], moe, full))
+    if k_cells:
+        separating = product(axis("model.n_layers", (layers or LAYERS[scale][pick])[:1]),
+                             _moe(K_CELLS[scale], active_width))
+        grid = union(grid, product(axis("optim.lr", lrs or LRS[scale][pick]), separating))
     if paper:
         grid = union(grid, product(axis("optim.lr", paper_lrs or PAPER_LRS[scale]), [PAPER_MODEL]))
     labels = {"model.d_model": "d", "model.d_expert": "dexp", "model.init_depth": "init_depth"}
     if fixed_init:
         shallowest = min(layers or LAYERS[scale][pick])
         grid = [{**point, "model.init_depth": shallowest} for point in grid]
-    return Experiment(base, product(grid, axis("seed", range(seeds))), warmstart=warm, labels=labels)
+    if warm_starts < 1:
+        raise ConfigError(f"warm_starts={warm_starts}: need at least 1")
+    return Experiment(base, product(grid, axis("seed", range(seeds))), warmstart=warm, labels=labels,
+                      warmstart_seeds=warm_starts)

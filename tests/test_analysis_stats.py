@@ -279,6 +279,11 @@ def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
     by_runs = width(bootstrap_laws(runs, "churn", n_boot=200))
     by_warm_start = width(bootstrap_laws(runs, "churn", n_boot=200, cluster="init_from"))
     assert by_warm_start > 2 * by_runs  # 0.49 against 0.16 here
+    from analysis.scaling import warm_start_cluster
+
+    assert warm_start_cluster(runs) == "init_from"  # every depth has 2 warm starts: the report resamples them
+    one_each = runs.assign(init_from=runs["model.n_layers"].map(lambda n: f"L{n}"))
+    assert warm_start_cluster(one_each) is None and warm_start_cluster(runs.drop(columns="init_from")) is None
 
 
 def test_set_change_derived_from_slot_churn_respects_its_bound_where_the_direct_fit_breaks_it():

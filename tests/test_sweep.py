@@ -127,6 +127,25 @@ def test_a_warm_start_on_its_own_task_serves_runs_on_harder_problems(tmp_path):
     assert sorted(w.task.min_terms for w in per_run.warmstarts.values()) == [4, 5]
 
 
+def test_two_warm_starts_per_architecture_alternate_over_run_seeds(tmp_path):
+    from dataclasses import replace
+
+    grid = product(axis("model.n_layers", [1, 2]), axis("seed", range(4)))
+    plain = experiment(grid, warm=True)
+
+    def two() -> Experiment:
+        return replace(plain(), warmstart_seeds=2)
+
+    plan = plan_sweep(two, tmp_path / "s")
+    assert len(plan.warmstarts) == 4  # 2 architectures x 2 warm starts
+    by_run = {(r.config.model.n_layers, r.config.seed): plan.warmstarts[r.warmstart].seed for r in plan.runs}
+    assert by_run == {(layers, s): s % 2 for layers in (1, 2) for s in range(4)}
+    single = plan_sweep(plain, tmp_path / "t")
+    assert len(single.warmstarts) == 2 and {w.seed for w in single.warmstarts.values()} == {0}
+    with pytest.raises(ValueError, match="warmstart_seeds=0"):
+        replace(plain(), warmstart_seeds=0)
+
+
 def test_overrides_parse_strings_by_the_field_type():
     cfg = with_overrides(tiny_train_config("x"), {"optim.lr": "3e-4", "routing_mode": "R2", "keep_every": "none",
                                                   "probes.enabled": "update,noise", "probes.every": "update:4",

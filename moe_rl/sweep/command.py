@@ -90,7 +90,9 @@ def plan_sweep(experiment: Callable[..., Experiment], sweep_dir: str | os.PathLi
         cfg = in_wandb_group(cfg, sweep_dir.name)
         key = None
         if warm is not None:
-            key, sft_cfg = warmstart_for(warm, cfg, sweep_dir, own_task=spec.warmstart_own_task)
+            seeded = warm if spec.warmstart_seeds == 1 else dataclasses.replace(
+                warm, seed=warm.seed + cfg.seed % spec.warmstart_seeds)
+            key, sft_cfg = warmstart_for(seeded, cfg, sweep_dir, own_task=spec.warmstart_own_task)
             sft_cfg = in_wandb_group(sft_cfg, sweep_dir.name)
             warmstarts[key] = sft_cfg
             cfg = dataclasses.replace(cfg, init_from=str(Path(sft_cfg.out_dir) / CHECKPOINTS / LATEST))

@@ -58,6 +58,10 @@ class Experiment:
     at the warm start of its own architecture. None: the runs start from base.init_from (or random weights)."""
     labels: dict[str, str] = field(default_factory=dict)
     """Extra short names for run names, on top of LABELS."""
+    warmstart_seeds: int = 1
+    """Warm starts per architecture: run seed s trains from the warm start of SFT seed (its own seed + s mod
+    warmstart_seeds), so that contrasts between architectures carry warm-start variance (and an analysis can
+    resample warm starts: analysis.stats.cluster_bootstrap over init_from)."""
     warmstart_own_task: bool = False
     """False: each run's warm start trains on the run's own task. True: on the warm start config's task, whatever
     the runs' (RL on harder problems than the warm start saw, as in a length-generalisation study)."""
@@ -66,6 +70,8 @@ class Experiment:
         if not isinstance(self.base, TrainConfig):
             raise TypeError(f"Experiment.base must be a TrainConfig, got {type(self.base).__name__}")
         self.grid = [dict(point) for point in self.grid]
+        if self.warmstart_seeds < 1:
+            raise ValueError(f"Experiment.warmstart_seeds={self.warmstart_seeds} must be >= 1")
         if not self.grid:
             raise ValueError("Experiment.grid is empty: a sweep needs at least one point ({} is the base config)")
 
