@@ -212,6 +212,45 @@ def test_a_sweep_directory_made_by_a_different_grid_is_refused(tmp_path):
     assert json.loads((tmp_path / "s" / "sweep.json").read_text())["arguments"] == {}  # untouched
 
 
+def _as_stored_by_an_older_moe_rl(sweep_dir: Path, field: str, old_key: str) -> None:
+    """Rewrite sweep.json as a moe-rl without `field` (model.<field>) would have written it: the field absent from
+    every run's and warm start's config, and the warm start under another key (its hash covered the config)."""
+    data = json.loads((sweep_dir / "sweep.json").read_text())
+    (new_key,) = data["warmstarts"]
+    data["warmstarts"] = {old_key: data["warmstarts"][new_key]}
+    for config in [r["config"] for r in data["runs"]] + list(data["warmstarts"].values()):
+        del config["model"][field]
+    for run in data["runs"]:
+        run["warmstart"] = old_key
+    data["hash"] = "0" * 64
+    (sweep_dir / "sweep.json").write_text(json.dumps(data))
+
+
+def test_a_sweep_stored_before_a_field_was_added_continues_with_its_warm_starts(tmp_path):
+    """Upgrading moe-rl between sittings of a sweep must not refuse the directory or train its warm starts again:
+    a field the stored plan lacks, held at its default, is no change. At another value it is."""
+    from moe_rl.sweep.sweepdir import added_since, check_same_grid, read_sweep, with_stored_warm_starts
+
+    grid = axis("seed", [0, 1])
+    store_plan(plan_sweep(experiment(grid, warm=True), tmp_path / "s"))
+    _as_stored_by_an_older_moe_rl(tmp_path / "s", "init_depth", "L2-E4-K2-D32-older")
+    plan = plan_sweep(experiment(grid, warm=True), tmp_path / "s")
+    assert added_since(read_sweep(tmp_path / "s"), plan) == {"model.init_depth"} and check_same_grid(plan)
+    kept = with_stored_warm_starts(plan)
+    assert list(kept.warmstarts) == ["L2-E4-K2-D32-older"]
+    assert kept.warmstarts["L2-E4-K2-D32-older"].out_dir == str(tmp_path / "s" / "warmstart" / "L2-E4-K2-D32-older")
+    assert all(r.warmstart == "L2-E4-K2-D32-older" and "L2-E4-K2-D32-older" in r.config.init_from for r in kept.runs)
+    store_plan(kept)  # accepted, and written again under the stored keys
+    assert list(read_sweep(tmp_path / "s")["warmstarts"]) == ["L2-E4-K2-D32-older"]
+
+    _as_stored_by_an_older_moe_rl(tmp_path / "s", "init_depth", "L2-E4-K2-D32-older")
+    changed = plan_sweep(experiment(grid, warm=True, model=ModelConfig(**TINY, init_depth=7)), tmp_path / "s")
+    assert added_since(read_sweep(tmp_path / "s"), changed) is None
+    with pytest.raises(ConfigError, match="holds a different grid"):
+        check_same_grid(changed)
+    assert with_stored_warm_starts(changed) is changed
+
+
 def test_cli_bad_input_exits_2_with_one_line(tmp_path):
     out = moe_rl("sweep", "nope", cwd=tmp_path)
     assert out.returncode == 2 and "available: smoke, churn_repro" in out.stderr and "Traceback" not in out.stderr

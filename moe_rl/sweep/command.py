@@ -47,7 +47,8 @@ from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
 from moe_rl.sweep.overrides import coerce, get_field, parse_assignments, with_overrides
 from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
-from moe_rl.sweep.sweepdir import INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo
+from moe_rl.sweep.sweepdir import (INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo,
+                                  with_stored_warm_starts)
 
 
 def experiment_arguments(fn: Callable, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,6 +179,7 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
     plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"),
                       parse_assignments(cfg.set))
     check_out_dir(plan.sweep_dir, "--sweep-dir")
+    plan = with_stored_warm_starts(plan)  # a sweep stored by an older moe-rl keeps its warm start folders
     print_plan(plan, check_same_grid(plan), cfg.retry_diverged)
     if cfg.dry_run:
         print("dry run: nothing was run or written")

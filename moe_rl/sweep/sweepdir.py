@@ -13,6 +13,7 @@ Readers and writers used by moe_rl.sweep (the command), moe_rl.sweep.jobs (worke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -28,8 +29,8 @@ from moe_rl.runs.atomic import atomic_write_text
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step
 from moe_rl.runs.lock import holder
 from moe_rl.runs.provenance import utc_now
-from moe_rl.runs.runlog import config_differences, read_json_object, read_manifest
-from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan
+from moe_rl.runs.runlog import ABSENT, config_differences, field_defaults, read_json_object, read_manifest
+from moe_rl.sweep.plan import VOLATILE_FIELDS, PlannedRun, SweepPlan, stable_config
 
 SWEEP_JSON, INDEX_CSV = "sweep.json", "index.csv"
 RUNS, WARMSTART, JOBS = "runs", "warmstart", "jobs"
@@ -51,12 +52,14 @@ def read_sweep(sweep_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_same_grid(plan: SweepPlan) -> bool:
-    """True when the directory already holds this grid, False when it is new; refuses a different grid."""
+    """True when the directory already holds this grid, False when it is new; refuses a different grid. The same
+    grid stored by an older moe-rl (its configs lack fields added since, which this plan holds at their defaults) is
+    this grid: the runs ran with those defaults' behaviour."""
     path = plan.sweep_dir / SWEEP_JSON
     if not path.exists():
         return False
     stored, new = read_sweep(plan.sweep_dir), plan.to_json()
-    if stored["hash"] == new["hash"]:
+    if stored["hash"] == new["hash"] or added_since(stored, plan) is not None:
         return True
     raise ConfigError(
         f"{plan.sweep_dir} holds a different grid (experiment {stored['experiment']!r}, {stored['n_runs']} runs, "
@@ -64,6 +67,54 @@ def check_same_grid(plan: SweepPlan) -> bool:
         f"{new['hash'][:12]}.\n{grid_differences(stored, new)}\nTo continue the stored sweep, run its own command: "
         f"{stored['command']}\nTo run this grid, choose another --sweep-dir, or delete {plan.sweep_dir} to start over."
     )
+
+
+def added_since(stored: Mapping, plan: SweepPlan) -> set[str] | None:
+    """The config fields the stored plan lacks and `plan` holds at their defaults, when those are its only
+    differences from the stored plan (the same run names; each run's config and its warm start's, the sweep's own
+    paths aside); None when anything else differs."""
+    new = plan.to_json()
+    old_runs, new_runs = {r["name"]: r for r in stored["runs"]}, {r["name"]: r for r in new["runs"]}
+    if old_runs.keys() != new_runs.keys() or not plan.runs:
+        return None
+    run_defaults = field_defaults(plan.runs[0].config)
+    warm_defaults = field_defaults(next(iter(plan.warmstarts.values()))) if plan.warmstarts else {}
+    added: set[str] = set()
+    for name, old_run in old_runs.items():
+        new_run = new_runs[name]
+        if (old_run["warmstart"] is None) != (new_run["warmstart"] is None):
+            return None
+        pairs = [(old_run["config"], new_run["config"], run_defaults)]
+        if new_run["warmstart"] is not None:
+            pairs.append((stored["warmstarts"][old_run["warmstart"]], new["warmstarts"][new_run["warmstart"]],
+                          warm_defaults))
+        for old_config, new_config, defaults in pairs:
+            for key, (old, value) in config_differences(stable_config(old_config), stable_config(new_config)).items():
+                if old != ABSENT or key not in defaults or defaults[key] != value:
+                    return None
+                added.add(key)
+    return added
+
+
+def with_stored_warm_starts(plan: SweepPlan) -> SweepPlan:
+    """`plan` with the stored plan's warm start keys (folder names), where the directory holds this grid stored by an
+    older moe-rl (added_since): a warm start key hashes its config, so a field added since would otherwise name a
+    new folder and train the warm starts again. Any other plan comes back unchanged."""
+    if not (plan.sweep_dir / SWEEP_JSON).exists() or not plan.warmstarts:
+        return plan
+    stored = read_sweep(plan.sweep_dir)
+    if stored["hash"] == plan.to_json()["hash"] or not added_since(stored, plan):
+        return plan
+    stored_key = {r["name"]: r["warmstart"] for r in stored["runs"]}
+    renamed = {run.warmstart: stored_key[run.name] for run in plan.runs if run.warmstart is not None}
+    warmstarts = {renamed[key]: dataclasses.replace(cfg, out_dir=str(plan.sweep_dir / WARMSTART / renamed[key]))
+                  for key, cfg in plan.warmstarts.items()}
+    runs = [run if run.warmstart is None else dataclasses.replace(
+                run, warmstart=renamed[run.warmstart],
+                config=dataclasses.replace(run.config, init_from=str(
+                    Path(warmstarts[renamed[run.warmstart]].out_dir) / CHECKPOINTS / LATEST)))
+            for run in plan.runs]
+    return dataclasses.replace(plan, runs=runs, warmstarts=warmstarts)
 
 
 def grid_differences(stored: Mapping, new: Mapping, limit: int = 5) -> str:
