@@ -19,6 +19,8 @@ and `n` counts what remains.
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from collections.abc import Sequence
 
@@ -81,8 +83,15 @@ def _label_part(key: str, value) -> str:
 
 
 def group_label(row: pd.Series | dict, keys: Sequence[str]) -> str:
-    """'grpo R2', 'gspo native lr=0.001', or 'all runs' when no key is given."""
-    return " ".join(_label_part(key, row[key]) for key in keys) if keys else "all runs"
+    """'grpo R2', 'gspo native lr=0.001', or 'all runs' when no key is given; a key whose value is missing in this
+    row (a correction's cap in a run with a band) is left out of its label."""
+    if not keys:
+        return "all runs"
+    return " ".join(_label_part(key, row[key]) for key in keys if not _missing(row[key])) or "defaults"
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def add_groups(data: RunSet, keys: Sequence[str]) -> RunSet:

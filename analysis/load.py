@@ -17,6 +17,7 @@ Nothing here imports the trainer's modules beyond moe_rl.runs.runlog's readers (
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from moe_rl.errors import DataError
-from moe_rl.runs.runlog import flatten, read_metrics, read_tables
+from moe_rl.runs.runlog import field_defaults, flatten, read_metrics, read_tables
 
 RUN_COLUMNS = ["run", "path", "status", "reason", "seed"]
 INFO_COLUMNS = [*RUN_COLUMNS, "n_lines", "last_step", "git_sha"]  # the columns of `runs` that are not config
@@ -97,8 +98,19 @@ def _run_info(path: Path, name: str, config: dict, lines: list[dict]) -> dict[st
     info = {"run": name, "path": str(path), "status": manifest.get("status", "unknown"),
             "reason": manifest.get("reason"), "seed": seed, "n_lines": len(lines),
             "last_step": max(steps) if steps else None, "git_sha": (manifest.get("git") or {}).get("sha")}
-    info.update({key: _config_value(value) for key, value in flatten(config).items()})
+    # A field added to moe-rl after the run was made is absent from its config.json; the run ran with that field's
+    # default behaviour, so it reads as the default (else runs before and after the addition would "differ" in it).
+    flat = {**_added_field_defaults(), **flatten(config)}
+    info.update({key: _config_value(value) for key, value in flat.items()})
     return info
+
+
+@functools.cache
+def _added_field_defaults() -> dict[str, Any]:
+    """{dotted key: default} of every TrainConfig field (the RL runs' config)."""
+    from moe_rl.config import TrainConfig
+
+    return field_defaults(TrainConfig())
 
 
 def _lines_frame(lines: list[dict], run: str) -> pd.DataFrame:
@@ -143,7 +155,7 @@ class RunSet:
 
     def varying(self) -> list[str]:
         """Config fields whose value differs between runs (any field, including seeds and paths)."""
-        return [key for key in self.config_columns if self.runs[key].astype(str).nunique() > 1]
+        return [key for key in self.config_columns if distinct_values(self.runs[key]) > 1]
 
     def with_config(self, frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         """`frame` with the config fields `keys` joined on `run` (those it lacks)."""
@@ -151,6 +163,13 @@ class RunSet:
         if not missing:
             return frame
         return frame.merge(self.runs[["run", *missing]], on="run", how="left")
+
+
+def distinct_values(column: pd.Series) -> int:
+    """How many different values a config column holds, a missing one (None: a field unset in some runs, such as a
+    correction's cap where another run has a band) counting as a value of its own. pandas 3's astype(str) keeps
+    missing values missing, and nunique would drop them."""
+    return column.astype(str).nunique(dropna=False)
 
 
 def load_runs(root: str | os.PathLike) -> RunSet:

@@ -41,7 +41,7 @@ from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn
 from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.baseline import against_baseline, read_baseline, with_baseline
 from analysis.comparisons import paired_comparisons
-from analysis.load import INFO_COLUMNS, RunSet, load_runs
+from analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.learning import learning_table
 from analysis.per_run import per_run_eval, per_run_final
@@ -241,7 +241,7 @@ def markdown_table(frame: pd.DataFrame) -> str:
 def _shared_config(data: RunSet) -> dict:
     """Config fields with one value across all runs (the fixed part of the experiment)."""
     fields = [c for c in data.runs.columns if c not in INFO_COLUMNS and c != "group"]
-    shared = {key: data.runs[key].iloc[0] for key in fields if data.runs[key].astype(str).nunique() == 1}
+    shared = {key: data.runs[key].iloc[0] for key in fields if distinct_values(data.runs[key]) == 1}
     return {key: value.item() if hasattr(value, "item") else value for key, value in shared.items()}
 
 

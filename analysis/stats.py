@@ -25,6 +25,7 @@ and for statistics with no t interval; with few seeds read them as optimistic.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy import optimize, special, stats
+from scipy import integrate, optimize, special, stats
 
 from analysis.aggregate import BOOTSTRAP_SEED, CONFIDENCE, N_RESAMPLES, bootstrap_ci
 
@@ -174,7 +175,18 @@ def power_paired(delta: float, sd_diff: float, n: int, alpha: float = ALPHA) -> 
     t_c = t(1 - alpha/2, n - 1) and T' ~ noncentral t(n - 1, delta sqrt(n) / sd_diff), P(T' > t_c) + P(T' < -t_c)."""
     df, tc = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
     nc = delta * math.sqrt(n) / sd_diff
-    return float(stats.nct.sf(tc, df, nc) + stats.nct.cdf(-tc, df, nc))
+    power = stats.nct.sf(tc, df, nc) + stats.nct.cdf(-tc, df, nc)
+    return float(power) if math.isfinite(power) else _noncentral_t_power(tc, df, nc)
+
+
+def _noncentral_t_power(tc: float, df: int, nc: float) -> float:
+    """P(|T'| > tc) for T' = (Z + nc) / sqrt(V / df), V ~ chi^2(df), by integrating over V: scipy's noncentral t
+    returns NaN at one degree of freedom and a large noncentrality (a 2-seed design far from its MDD)."""
+    def tail(v: float) -> float:
+        scale = tc * math.sqrt(v / df)
+        return stats.chi2.pdf(v, df) * (stats.norm.sf(scale - nc) + stats.norm.cdf(-scale - nc))
+
+    return float(integrate.quad(tail, 0.0, math.inf, limit=200)[0])
 
 
 def mdd_paired(n: int, sd_diff: float, alpha: float = ALPHA, power: float = POWER, exact: bool = True) -> float:
@@ -189,10 +201,17 @@ def mdd_paired(n: int, sd_diff: float, alpha: float = ALPHA, power: float = POWE
     normal = (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * sd_diff / math.sqrt(n)
     if not exact or sd_diff == 0:
         return float(normal)
-    upper = normal
-    while power_paired(upper, sd_diff, n, alpha) < power:
+    # The power depends on delta / sd_diff only, so the root is found in units of sd_diff: an sd of 1e-17 (methods
+    # that agree to rounding) would otherwise put the noncentral t where scipy returns NaN.
+    return float(sd_diff * _mdd_in_sds(n, alpha, power))
+
+
+@functools.cache
+def _mdd_in_sds(n: int, alpha: float, power: float) -> float:
+    upper = (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) / math.sqrt(n)
+    while power_paired(upper, 1.0, n, alpha) < power:
         upper *= 2
-    return float(optimize.brentq(lambda d: power_paired(d, sd_diff, n, alpha) - power, 0.0, upper, xtol=1e-12 * upper))
+    return float(optimize.brentq(lambda d: power_paired(d, 1.0, n, alpha) - power, 0.0, upper, xtol=1e-12 * upper))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

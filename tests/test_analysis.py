@@ -318,3 +318,32 @@ def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(ru
     assert "## Against the warm start's best" in readme and "0.250 +- 0.020" in readme
     assert "0.250 +- 0.020 (baseline)" in readme  # the learning table's first row
     assert f"--baseline {tmp_path / 'evaluate.json'}" in readme
+
+
+def test_fields_unset_in_some_runs_or_added_since_others_ran_group_correctly(tmp_path):
+    """Two kinds of missing config value: a field set to None in some runs (a correction's cap where another run has
+    a band) is a value of its own, so TIS and IcePop runs fall in different groups, and its label part is left out;
+    a field absent from an older run's config.json (added to moe-rl since) reads as its default, so it does not
+    split runs made before and after the addition."""
+    from analysis.aggregate import group_label
+    from analysis.load import distinct_values
+
+    assert distinct_values(pd.Series([2.0, None, None])) == 2 and distinct_values(pd.Series([None, None])) == 1
+    assert group_label({"routing_mode": "native", "correction.is_cap": float("nan"),
+                        "correction.is_band": "[0.5, 2.0]"}, ["routing_mode", "correction.is_cap",
+                                                              "correction.is_band"]) == "native is_band=[0.5, 2.0]"
+    from moe_rl.runs.runlog import config_to_dict
+
+    for name, cap, drop in (("tis", 2.0, False), ("plain", None, True), ("plain_new", None, False)):
+        cfg = tiny_train_config(tmp_path / name, total_steps=1)
+        data = json.loads(json.dumps(config_to_dict(cfg)))
+        data["correction"]["is_cap"], data["correction"]["is_level"] = cap, "token" if cap else "none"
+        if drop:
+            del data["model"]["init_depth"]  # as written before the field existed
+        Path(cfg.out_dir).mkdir(parents=True)
+        (Path(cfg.out_dir) / "config.json").write_text(json.dumps(data))
+        (Path(cfg.out_dir) / "metrics.jsonl").write_text(json.dumps(
+            {"step": 0, "wall_time": 1.0, "minibatch": 0, "update": 1, "loss": 0.1}) + "\n")
+    data = load_runs(tmp_path)
+    assert "model.init_depth" not in data.varying() and "correction.is_cap" in data.varying()
+    assert set(data.runs["model.init_depth"]) == {0}

@@ -337,3 +337,25 @@ def test_near_level_cells_name_the_reading_and_whether_rl_learns():
          "learns": False}])
     near = near_level_cells(cells)
     assert near[["group", "reading", "learns"]].values.tolist() == [["b", "churn", False], ["a", "set_change", True]]
+
+
+def test_mdd_of_methods_that_agree_to_rounding_is_tiny_not_an_error():
+    """Under the zero-mismatch control every correction is the identity, so two methods' values differ by float
+    noise (sd ~1e-17): the minimum detectable difference scales with it, and the exact root must not fail."""
+    from analysis.stats import mdd_paired
+
+    assert mdd_paired(3, 1e-17) == pytest.approx(1e-17 * mdd_paired(3, 1.0), rel=1e-9)
+    assert mdd_paired(3, 1.0) == pytest.approx(3.26, abs=0.01) and mdd_paired(3, 0.0) == 0.0
+
+
+def test_power_at_two_seeds_where_scipys_noncentral_t_gives_nan():
+    """Two pairs (df 1): scipy's nct is NaN at a noncentrality of ~22; the integral over the chi-squared gives the
+    power, and agrees with nct where nct works."""
+    from analysis.stats import _noncentral_t_power, mdd_paired, power_paired
+    from scipy import stats
+
+    tc = stats.t.ppf(0.975, 1)
+    assert _noncentral_t_power(tc, 1, 3.0) == pytest.approx(stats.nct.sf(tc, 1, 3.0) + stats.nct.cdf(-tc, 1, 3.0),
+                                                            abs=1e-6)
+    assert 0.8 < power_paired(16.0, 1.0, 2) < 1.0
+    assert power_paired(mdd_paired(2, 1.0), 1.0, 2) == pytest.approx(0.8, abs=1e-6)
