@@ -13,17 +13,16 @@ noise of the comparison. Each run logs held-out reward, the mismatch metrics (`r
 `routing/rollout/set_change`) and the correction's (`correction/ess`, `correction/truncated_frac`,
 `correction/zeroed_frac`); docs/metrics.md has them with their names in verl, slime and NeMo-RL.
 
-    moe-rl sweep correction --workers 2                        # CPU: 5 methods x 3 precisions x 3 seeds = 45 runs
+    moe-rl sweep correction --arg steps=10 --workers 2         # CPU: 5 methods x 3 precisions x 3 seeds = 45 runs
     moe-rl sweep correction --arg seeds=5 --arg steps=40
     moe-rl sweep correction --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU, timed: a 2-rollout-step run of the fp8 + TIS point from the regime's warm start took 120 s of wall time on the
-2-core machine shared with three other jobs (rollout 14 s and 36 s, old pass 2 s and 5 s, 4 updates 7 s per step,
-plus the held-out evaluations at step 0 and at the end: 256 prompts sampled and greedy), i.e. about 20-45 s per
-rollout step and 20-25 s per evaluation. A 30-step run (7 evaluations) is then about 15-25 minutes there, and the 45
-runs about 6-9 hours with --workers 2 (less on idle cores: objective_comparison's bf16 runs measured about 8 s per
-rollout step with two runs sharing 2 cores); the warm start (800 SFT steps) took 6.6 minutes. Not yet run;
-results/correction/ is where its committed study goes.
+CPU, timed (2026-12-01, a 2-core AVX2 machine, --workers 2): the committed study is `--arg steps=10` (40 updates;
+the regime's held-out gain comes mostly in its first 10 rollout steps). Its 45 runs took 76 minutes: bf16 and fp8
+runs 152-253 s each, exact runs 61-104 s (the exact sampler is the trainer's own forward, without the bf16
+emulation), after a 230 s warm start (800 SFT steps). The default 30 steps take about three times as long.
+results/correction/ holds the report, with per-run tables and the warm start's baseline (results/README.md says
+what it shows).
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
