@@ -23,9 +23,11 @@ steps"; and the figure.
         --baseline sweeps/stability/warmstart/<key>/evaluate
     moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU, estimated from length_generalisation's timing (not yet run): a 15-step run about 5-7 minutes with two runs on
-2 cores, so the full map (162 runs) about 8-9 hours with --workers 2: run it in several sittings (the sweep
-resumes), one axis or a few methods at a time, and spend extra seeds (`--arg seeds=5`) near each frontier.
+CPU, estimated from length_generalisation's timing (not yet run). Its 30-step runs took 770-783 s each, two at a
+time on 2 cores: about 15 s per rollout step and about 60 s per 1,024-prompt evaluation. So a 15-step run with 4
+evaluations takes about 8 minutes, and the full map (162 runs) about 11 hours with --workers 2 (minibatches=16
+costs a little more per step). Run it in several sittings (the sweep resumes), one axis or a few methods at a
+time, and spend extra seeds (`--arg seeds=5`) near each frontier.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
