@@ -295,8 +295,11 @@ def test_churn_scaling_figures_only_for_learning_rate_sweeps(sweep, runs_root):
     pd.testing.assert_series_equal(per_run["routing/update/churn"], direct, check_names=False)
 
 
-def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(runs_root, tmp_path):
+def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(runs_root, tmp_path, monkeypatch):
+    import analysis.report
     from analysis.report import report
+
+    monkeypatch.setattr(analysis.report, "write_figures", lambda data, folder: ([], []))  # tested above; 20 s here
 
     result = {"checkpoint": "c.pt", "step": 300, "best_temperature": 0.5,
               "heldout": {"sampled": {"temperature": 0.5, "mean": 0.25, "se": 0.02, "prompts": 1024, "samples": 1},
