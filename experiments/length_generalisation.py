@@ -23,7 +23,7 @@ beats the warm start's at its best temperature by >= 0.05 with a 95% CI excludin
 group's rewards are equal and GRPO's advantages are 0); `--arg methods=all` adds GRPO+R2, GRPO+R3 and GSPO, for the
 comparison the regime exists for.
 
-CPU, timed (2026-12-01, 2-core AVX2 machine, --workers 2): the 5 runs took 770-783 s each, two at a time (about 15 s
+CPU, timed (2026-12-01, 2-core AVX2 machine, --workers 2): the 5 runs took 743-807 s each, two at a time (about 15 s
 per rollout step, about 60 s per 1,024-prompt evaluation), after the 800-step warm start (230 s) and the
 baseline's `moe-rl evaluate` (about 4 minutes).
 GPU (`scale="gpu"`): the gpu regime's warm start (4-8 terms of 1-2 digits) and RL on 10-term problems; not yet run.

@@ -23,7 +23,7 @@ steps"; and the figure.
         --baseline sweeps/stability/warmstart/<key>/evaluate
     moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU, estimated from length_generalisation's timing (not yet run). Its 30-step runs took 770-783 s each, two at a
+CPU, estimated from length_generalisation's timing (not yet run). Its 30-step runs took 743-807 s each, two at a
 time on 2 cores: about 15 s per rollout step and about 60 s per 1,024-prompt evaluation. So a 15-step run with 4
 evaluations takes about 8 minutes, and the full map (162 runs) about 11 hours with --workers 2 (minibatches=16
 costs a little more per step). Run it in several sittings (the sweep resumes), one axis or a few methods at a
