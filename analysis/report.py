@@ -50,7 +50,7 @@ from analysis.report_text import (baseline_section, learning_markdown, paired_ma
 from analysis.scaling import (coefficient_table, extrapolation_table, held_out_check, near_level_cells,
                               set_change_check, split_target, warm_start_cluster)
 from analysis.style import FORMATS, save
-from moe_rl.errors import check_positive
+from moe_rl.errors import ConfigError, check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
 
@@ -96,6 +96,11 @@ class ReportConfig:
         if self.out is None:
             self.out = str(Path(self.runs) / "report")
         check_positive("last_k", self.last_k)
+        if self.baseline is not None:
+            path = Path(self.baseline)
+            if not (path.is_file() or (path / "evaluate.json").is_file()):
+                raise ConfigError(f"baseline={self.baseline!r}: no evaluate.json there; give the file `moe-rl evaluate` "
+                                  "wrote, or the folder holding it (by default <warm start>/evaluate)")
         check_positive("equivalence_margin", self.equivalence_margin)
 
 

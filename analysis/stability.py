@@ -280,4 +280,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from moe_rl.errors import ConfigError, DataError
+    from analysis.load import NoRunsError
+
+    try:
+        main()
+    except (ConfigError, DataError, NoRunsError) as err:  # bad input ends in one line, as the moe-rl commands do
+        raise SystemExit(f"python -m analysis.stability: error: {err}") from None

@@ -350,3 +350,8 @@ def test_fields_unset_in_some_runs_or_added_since_others_ran_group_correctly(tmp
     data = load_runs(tmp_path)
     assert "model.init_depth" not in data.varying() and "correction.is_cap" in data.varying()
     assert set(data.runs["model.init_depth"]) == {0}
+
+
+def test_a_baseline_path_without_evaluate_json_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="baseline=.*no evaluate.json there"):
+        ReportConfig(str(tmp_path), baseline=str(tmp_path / "missing"))
