@@ -5,9 +5,9 @@ first use in a process the choice is read from the cache folder of the compiled 
 under a key of the CPU's features, the torch version, the ISA cap, the thread count, the kernels' source and the
 measurement's own code; where there is none yet, each available family is timed against the torch reference
 (measure.py, about five seconds in all) and the result is written there for every later process. Why by
-measurement: the same C code that is 1.3x faster than torch on an AVX-512 CPU can be 2x slower on an AVX2 one (the
-fp32 sampler's experts kernel, whose 16-lane vectors split in two there), and no rule written on one machine knows
-that of another.
+measurement: the same C code that was 1.3x faster than torch on an AVX-512 CPU was 2-5x slower on an AVX2 one (the
+fp32 sampler's experts kernel, whose 16 accumulators of 16 floats spilled AVX2's registers until it got a tiling of
+its own), and no rule written on one machine knows that of another.
 
 Every family but two gives exactly the bits of its reference (the module docstrings say why), so the choice changes
 speed only. `decode_attention` and `sampler_experts` (the fp32 sampler only; the trainer and the bf16 sampler never
