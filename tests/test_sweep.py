@@ -20,7 +20,7 @@ from moe_rl.sweep.grid import Experiment, axis, format_value, product, run_name,
 from moe_rl.sweep.jobs import execute_job, run_local
 from moe_rl.model import ModelConfig
 from moe_rl.sweep.overrides import coerce, from_dict, with_overrides
-from moe_rl.runs.runlog import config_to_dict, read_manifest
+from moe_rl.runs.runlog import config_to_dict, read_config, read_manifest
 from experiments import get_experiment
 from moe_rl.sweep.command import plan_sweep, print_plan
 from moe_rl.sweep.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
@@ -67,7 +67,8 @@ def test_grid_expansion_gives_readable_stable_names_in_order(tmp_path):
 @pytest.mark.parametrize("value, text", [(1e-4, "1e-4"), (3e-4, "3e-4"), (2.5e-5, "2.5e-5"), (0.2, "0.2"),
                                          (0.135, "0.135"), (1.0, "1"), (8, "8"), (True, "true"), (None, "none"),
                                          ("R2", "R2"), (("update", "noise"), "update+noise"),
-                                         ("/data/sets/a b.jsonl", "a-b.jsonl")])
+                                         ("/data/sets/a b.jsonl", "a-b.jsonl"), (("128/8",), "128-8"),
+                                         (("8/2", "64/8"), "8-2+64-8"), ("runs/64/8", "8")])
 def test_values_in_names_are_short_and_file_name_safe(value, text):
     assert format_value(value) == text
 
@@ -524,3 +525,16 @@ def test_smoke_sweep_runs_end_to_end_and_a_rerun_skips_everything(tmp_path):
     again = moe_rl("sweep", "smoke", "--sweep-dir", "s", cwd=tmp_path)
     assert again.returncode == 0 and "runs (4): 4 skip" in again.stdout and "done     " + warm.name in again.stdout
     assert "summary: 4 finished" in again.stdout
+
+
+def test_local_workers_run_one_torch_thread_unless_told(tmp_path):
+    """One worker on a many-core machine used to get every core as torch threads, which turns the one-thread CPU
+    kernels off; now each run gets `threads` (default 1), recorded in its config."""
+    plan = plan_sweep(experiment([{"seed": 0}]), tmp_path / "s")
+    assert run_local(plan, workers=1, echo=lambda line: None)["status"].tolist() == ["finished"]
+    assert read_config(Path(plan.runs[0].config.out_dir))["threads"] == 1
+    plan = plan_sweep(experiment([{"seed": 1}]), tmp_path / "t")
+    run_local(plan, workers=1, echo=lambda line: None, threads=2)
+    assert read_config(Path(plan.runs[0].config.out_dir))["threads"] == 2
+    with pytest.raises(ConfigError, match="threads=0"):
+        run_local(plan, threads=0)

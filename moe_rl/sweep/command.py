@@ -186,7 +186,7 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         return
     if cfg.executor == "local":
         try:
-            index = run_local(plan, cfg.workers, cfg.retry_diverged)
+            index = run_local(plan, cfg.workers, cfg.retry_diverged, threads=cfg.threads)
         except KeyboardInterrupt as err:  # the workers were told too, and stopped at a checkpoint
             print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
                   file=sys.stderr)

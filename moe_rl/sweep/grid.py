@@ -118,8 +118,12 @@ def run_name(point: Mapping[str, Any], labels: Mapping[str, str] | None = None) 
     return ",".join(parts)
 
 
+NUMBERS_WITH_SLASHES = re.compile(r"\d+(/\d+)+")
+
+
 def format_value(value: Any) -> str:
-    """A short, file-name-safe text for a value: 1e-4, 0.2, true, none, update+noise, a path's file name."""
+    """A short, file-name-safe text for a value: 1e-4, 0.2, true, none, update+noise, 128-8 (for 128/8), a path's
+    file name."""
     if value is None or isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
@@ -129,7 +133,9 @@ def format_value(value: Any) -> str:
     if isinstance(value, Mapping):
         return "+".join(f"{k}-{format_value(v)}" for k, v in value.items()) or "none"
     text = str(value)
-    if "/" in text:
+    if NUMBERS_WITH_SLASHES.fullmatch(text):  # an "E/K" pair such as 128/8, not a path: keep both numbers
+        text = text.replace("/", "-")
+    elif "/" in text:
         text = PurePath(text).name
     return SAFE.sub("-", text) or "empty"
 

@@ -124,20 +124,19 @@ def _warmstart_job(data: Mapping, key: str, threads: int | None) -> dict[str, An
 # Local execution: a bounded pool of worker subprocesses
 
 
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
-              echo: Callable[[str], None] = print) -> pd.DataFrame:
-    """Run the sweep here, `workers` jobs at a time, each in its own subprocess with max(1, cores // workers) torch
-    threads. Returns the index.
+              echo: Callable[[str], None] = print, threads: int = 1) -> pd.DataFrame:
+    """Run the sweep here, `workers` jobs at a time, each in its own subprocess with `threads` torch threads (1 by
+    default: the CPU kernels serve one thread, and one is fastest at these model sizes; README "Threads"). Returns
+    the index.
 
     Order: a free worker takes a waiting warm start if there is one, else a run whose warm start has ended, so runs
     of a finished architecture start while other warm starts still train; among those it takes the costliest first
     (`job_cost`), so the long jobs do not end up alone at the end of the sweep."""
     if workers < 1:
         raise ConfigError(f"workers={workers} must be >= 1")
+    if threads < 1:
+        raise ConfigError(f"threads={threads} must be >= 1")
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(plan.sweep_dir / ".lock", blocking=False):
         store_plan(plan)
@@ -149,7 +148,7 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
         jobs += [Job("run", name, runs[name].warmstart, job_cost(runs[name].config)) for name in names]
         pool = Workers()
         with pool.forwarding_signals():
-            _pool(plan.sweep_dir, jobs, workers, max(1, cpu_count() // workers), echo, pool)
+            _pool(plan.sweep_dir, jobs, workers, threads, echo, pool)
         index = write_index(plan.sweep_dir)
     if pool.signum is not None:  # every worker has stopped at a checkpoint; a re-run resumes them
         raise Interrupted(pool.signum)
