@@ -20,7 +20,7 @@ from moe_rl.sweep.grid import Experiment, axis, format_value, product, run_name,
 from moe_rl.sweep.jobs import execute_job, run_local
 from moe_rl.model import ModelConfig
 from moe_rl.sweep.overrides import coerce, from_dict, with_overrides
-from moe_rl.runs.runlog import config_to_dict, read_config, read_manifest
+from moe_rl.runs.runlog import config_to_dict, read_manifest
 from experiments import get_experiment
 from moe_rl.sweep.command import plan_sweep, print_plan
 from moe_rl.sweep.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
@@ -527,14 +527,17 @@ def test_smoke_sweep_runs_end_to_end_and_a_rerun_skips_everything(tmp_path):
     assert "summary: 4 finished" in again.stdout
 
 
-def test_local_workers_run_one_torch_thread_unless_told(tmp_path):
+def test_local_workers_run_one_torch_thread_unless_told(tmp_path, monkeypatch):
     """One worker on a many-core machine used to get every core as torch threads, which turns the one-thread CPU
-    kernels off; now each run gets `threads` (default 1), recorded in its config."""
+    kernels off; now each worker process gets `threads` (default 1) whatever the core count."""
+    import moe_rl.sweep.jobs
+
+    given = []
+    monkeypatch.setattr(moe_rl.sweep.jobs, "_pool", lambda sweep_dir, jobs, workers, threads, *rest: given.append(
+        (workers, threads)))
     plan = plan_sweep(experiment([{"seed": 0}]), tmp_path / "s")
-    assert run_local(plan, workers=1, echo=lambda line: None)["status"].tolist() == ["finished"]
-    assert read_config(Path(plan.runs[0].config.out_dir))["threads"] == 1
-    plan = plan_sweep(experiment([{"seed": 1}]), tmp_path / "t")
-    run_local(plan, workers=1, echo=lambda line: None, threads=2)
-    assert read_config(Path(plan.runs[0].config.out_dir))["threads"] == 2
+    run_local(plan, workers=1, echo=lambda line: None)
+    run_local(plan, workers=2, echo=lambda line: None, threads=3)
+    assert given == [(1, 1), (2, 3)]
     with pytest.raises(ConfigError, match="threads=0"):
         run_local(plan, threads=0)
