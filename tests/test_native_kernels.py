@@ -426,21 +426,28 @@ def test_the_sampler_kernels_round_alike_in_the_widest_and_the_baseline_build(tm
 
 
 @needs_native
-def test_the_sampler_experts_two_tilings_round_alike(tmp_path, monkeypatch):
-    """The AVX-512 version tiles 16-float vectors, the AVX2 and baseline ones 8-float pairs (16 registers hold no
-    more); every output still sums its products in order, so the tilings must give the same bits. A build that forces
-    the 16-float tiling into every version (-DMOE_RL_WIDE_TILES) against the loaded one, at decode and prompt sizes."""
+def test_the_sampler_kernels_16_and_8_float_versions_round_alike(tmp_path, monkeypatch):
+    """The AVX-512 versions of the sampler's kernels hold 16-float vectors, the AVX2 and baseline ones 8-float
+    halves (16 registers hold no more, and GCC spills wider vectors); every lane still sees the same operations in the
+    same order, so both must give the same bits. A build that forces the 16-float code into every version
+    (-DMOE_RL_WIDE_TILES) against the loaded one, at decode and prompt sizes."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     wide = ctypes.CDLL(str(native.build(((*native.FLAGS, "-DMOE_RL_WIDE_TILES"),))))
     for name, argtypes in native._SIGNATURES.items():
         getattr(wide, name).argtypes, getattr(wide, name).restype = argtypes, ctypes.c_int64
+    cases = []
     for E, K, D, F, T in ((128, 8, 64, 32, 64), (8, 2, 64, 64, 33), (16, 4, 48, 80, 7)):
         experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
         slots = sort_slots(ids_TK, E)
-        with torch.inference_mode():
-            loaded = sampler.sampler_experts(x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down)
-            monkeypatch.setattr(sampler, "native_library", lambda: wide)
-            widest_tiles = sampler.sampler_experts(x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down)
-            monkeypatch.undo()
-            monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-        assert torch.equal(loaded, widest_tiles), (E, K, D, F, T)
+        cases.append(lambda experts=experts, x_TD=x_TD, weights_TK=weights_TK, slots=slots: sampler.sampler_experts(
+            x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
+    for B, H, G, Dh, P, max_len in ((64, 4, 2, 16, 48, 80), (7, 4, 2, 48, 33, 40), (3, 8, 2, 32, 16, 16)):
+        q_BH1Dh, _, (kt_BGPDh, vt_BGPDh), mask_B11P = _decode_inputs(B, H, G, Dh, P, max_len)
+        cases.append(lambda q=q_BH1Dh, k=kt_BGPDh, v=vt_BGPDh, m=mask_B11P: attention.decode_attention(q, k, v, m))
+    with torch.inference_mode():
+        loaded = [case() for case in cases]
+        for module in (attention, sampler):
+            monkeypatch.setattr(module, "native_library", lambda: wide)
+        sixteen_float = [case() for case in cases]
+    for number, (a, b) in enumerate(zip(loaded, sixteen_float)):
+        assert torch.equal(a, b), number

@@ -787,8 +787,8 @@ int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int
 
    Not torch's bits: the dot products add dimensions in order, the softmax sums in 16 lanes, exp is Cephes' expf
    polynomial (within 1 ulp on [-87, 88], measured), and the weighted values sum in 4 chains of positions; every float
-   op is written as 16-lane vector arithmetic (GCC vector extensions), so every target_clones version rounds the same
-   way. Returns 0, -1 for a shape it does not serve (dh not a multiple of 16, heads not a multiple of kv_heads, no
+   op is written as 16-lane vector arithmetic (GCC vector extensions; on AVX2 and the baseline as two 8-lane halves
+   doing the same per lane), so every version rounds the same way. Returns 0, -1 for a shape it does not serve (dh not a multiple of 16, heads not a multiple of kv_heads, no
    positions, or rows of kt too short), -2 if out of memory. */
 
 #define LANES 16
@@ -894,11 +894,111 @@ VECTOR_HELPER void weighted_values(const float *weight, const float *v, int64_t 
     }
 }
 
-WIDEST_VECTORS
-int64_t decode_attention(const float *q, const float *kt, const float *v, int64_t batch, int64_t heads,
-                         int64_t kv_heads, int64_t positions, int64_t dh, int64_t k_row_stride, int64_t k_head_stride,
-                         int64_t k_dim_stride, int64_t v_row_stride, int64_t v_head_stride, const uint8_t *mask,
-                         float scale, float *out)
+/* The same helpers in 8-float vectors, for AVX2 and the baseline. GCC keeps a 16-float vector that is wider than the
+   CPU's registers in memory between loop steps, which made the AVX2 version of decode_attention 1.5-2x slower than
+   torch's attention at decode shapes (2-core AMD EPYC, process time). These hold each 16-lane quantity as two
+   halves, lanes 0-7 and 8-15, and do the same operation on every lane, in the same order, with the same 16-lane
+   reduction at the end: so they give the 16-float versions' bits. */
+typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t ivec8 __attribute__((vector_size(32), aligned(4)));
+
+VECTOR_HELPER vec8 load8(const float *p)
+{
+    vec8 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+VECTOR_HELPER void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
+
+VECTOR_HELPER vec8 select8(ivec8 mask, vec8 yes, vec8 no)
+{
+    return (vec8)(((ivec8)yes & mask) | ((ivec8)no & ~mask));
+}
+
+VECTOR_HELPER vec8 exp_in_range8(vec8 x)  /* exp_in_range, lane for lane */
+{
+    const float log2e = 1.44269504088896341f, round_to_int = 12582912.0f;
+    vec8 n = (x * log2e + round_to_int) - round_to_int;
+    vec8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    ivec8 two_n_bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
+    return p * (vec8)two_n_bits;
+}
+
+VECTOR_HELPER vec8 exp_nonpositive8(vec8 x)
+{
+    vec8 zero = {0};
+    return select8(x < -87.0f, zero, exp_in_range8(x));
+}
+
+VECTOR_HELPER float scores_narrow(const float *q, const float *kt, int64_t dh, int64_t k_dim_stride, int64_t padded,
+                                  float scale, const float *bias, float *s)
+{
+    vec8 top_lo = {0}, top_hi = {0};
+    top_lo -= __builtin_inff();
+    top_hi -= __builtin_inff();
+    for (int64_t p0 = 0; p0 < padded; p0 += LANES) {
+        vec8 lo = q[0] * load8(kt + p0), hi = q[0] * load8(kt + p0 + 8);
+        for (int64_t d = 1; d < dh; ++d) {
+            const float *row = kt + d * k_dim_stride + p0;
+            lo += q[d] * load8(row);
+            hi += q[d] * load8(row + 8);
+        }
+        lo = lo * scale + load8(bias + p0);
+        hi = hi * scale + load8(bias + p0 + 8);
+        top_lo = select8(lo > top_lo, lo, top_lo);
+        top_hi = select8(hi > top_hi, hi, top_hi);
+        store8(s + p0, lo);
+        store8(s + p0 + 8, hi);
+    }
+    float m = top_lo[0];
+    for (int j = 1; j < 8; ++j) m = top_lo[j] > m ? top_lo[j] : m;
+    for (int j = 0; j < 8; ++j) m = top_hi[j] > m ? top_hi[j] : m;
+    return m;
+}
+
+VECTOR_HELPER float exponentiate_narrow(float *s, int64_t padded, float top)
+{
+    vec8 sum_lo = {0}, sum_hi = {0};
+    for (int64_t p0 = 0; p0 < padded; p0 += LANES) {
+        vec8 lo = exp_nonpositive8(load8(s + p0) - top), hi = exp_nonpositive8(load8(s + p0 + 8) - top);
+        sum_lo += lo;
+        sum_hi += hi;
+        store8(s + p0, lo);
+        store8(s + p0 + 8, hi);
+    }
+    float lane[8];  /* lane_sum's tree: its first step adds lane j + 8 to lane j, the halves' sum */
+    store8(lane, sum_lo + sum_hi);
+    for (int width = 4; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+    return lane[0];
+}
+
+VECTOR_HELPER void weighted_values_narrow(const float *weight, const float *v, int64_t positions, int64_t dh,
+                                          float inv_total, float *out)
+{
+    for (int64_t d0 = 0; d0 < dh; d0 += 8) {
+        vec8 acc[VALUE_CHAINS] = {{0}};
+        int64_t p = 0;
+        for (; p + VALUE_CHAINS <= positions; p += VALUE_CHAINS)
+            for (int c = 0; c < VALUE_CHAINS; ++c) acc[c] += weight[p + c] * load8(v + (p + c) * dh + d0);
+        for (int c = 0; p + c < positions; ++c) acc[c] += weight[p + c] * load8(v + (p + c) * dh + d0);
+        store8(out + d0, ((acc[0] + acc[1]) + (acc[2] + acc[3])) * inv_total);
+    }
+}
+
+/* The kernel's body, inlined into one function per instruction set (below); `narrow` picks the 8-float helpers */
+VECTOR_HELPER int64_t decode_attention_body(const float *q, const float *kt, const float *v, int64_t batch,
+                                            int64_t heads, int64_t kv_heads, int64_t positions, int64_t dh,
+                                            int64_t k_row_stride, int64_t k_head_stride, int64_t k_dim_stride,
+                                            int64_t v_row_stride, int64_t v_head_stride, const uint8_t *mask,
+                                            float scale, float *out, const int narrow)
 {
     const int64_t padded = (positions + LANES - 1) / LANES * LANES;
     if (dh % LANES != 0 || kv_heads < 1 || heads % kv_heads != 0 || positions < 1 || k_dim_stride < padded)
@@ -913,15 +1013,76 @@ int64_t decode_attention(const float *q, const float *kt, const float *v, int64_
         for (int64_t h = 0; h < heads; ++h) {
             const int64_t g = h / group;
             const float *qh = q + (b * heads + h) * dh;
-            float top = scores(qh, kt + b * k_row_stride + g * k_head_stride, dh, k_dim_stride, padded, scale, bias, s);
-            float total = exponentiate(s, padded, top);
-            weighted_values(s, v + b * v_row_stride + g * v_head_stride, positions, dh, 1.0f / total,
-                            out + (b * heads + h) * dh);
+            const float *keys = kt + b * k_row_stride + g * k_head_stride;
+            const float *values = v + b * v_row_stride + g * v_head_stride;
+            float *row_out = out + (b * heads + h) * dh;
+            if (narrow) {
+                float top = scores_narrow(qh, keys, dh, k_dim_stride, padded, scale, bias, s);
+                float total = exponentiate_narrow(s, padded, top);
+                weighted_values_narrow(s, values, positions, dh, 1.0f / total, row_out);
+            } else {
+                float top = scores(qh, keys, dh, k_dim_stride, padded, scale, bias, s);
+                float total = exponentiate(s, padded, top);
+                weighted_values(s, values, positions, dh, 1.0f / total, row_out);
+            }
         }
     }
     free(s);
     return 0;
 }
+
+/* -DMOE_RL_WIDE_TILES gives every version the 16-float code: a test build, which checks that the two round alike */
+#ifdef MOE_RL_WIDE_TILES
+#define NARROW_TILES 0
+#else
+#define NARROW_TILES 1
+#endif
+
+#define DECODE_ATTENTION_ARGS const float *q, const float *kt, const float *v, int64_t batch, int64_t heads, \
+    int64_t kv_heads, int64_t positions, int64_t dh, int64_t k_row_stride, int64_t k_head_stride, \
+    int64_t k_dim_stride, int64_t v_row_stride, int64_t v_head_stride, const uint8_t *mask, float scale, float *out
+#define DECODE_ATTENTION_CALL(narrow) \
+    decode_attention_body(q, kt, v, batch, heads, kv_heads, positions, dh, k_row_stride, k_head_stride, \
+                          k_dim_stride, v_row_stride, v_head_stride, mask, scale, out, narrow)
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(MOE_RL_ONE_VERSION)
+/* One version per instruction set, picked at each call (target_clones cannot give the versions different code) */
+__attribute__((target("avx512f"))) static int64_t decode_attention_avx512(DECODE_ATTENTION_ARGS)
+{
+    return DECODE_ATTENTION_CALL(0);
+}
+
+__attribute__((target("avx2"))) static int64_t decode_attention_avx2(DECODE_ATTENTION_ARGS)
+{
+    return DECODE_ATTENTION_CALL(NARROW_TILES);
+}
+
+static int64_t decode_attention_baseline(DECODE_ATTENTION_ARGS) { return DECODE_ATTENTION_CALL(NARROW_TILES); }
+
+int64_t decode_attention(DECODE_ATTENTION_ARGS)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return decode_attention_avx512(q, kt, v, batch, heads, kv_heads, positions,
+                                                                          dh, k_row_stride, k_head_stride,
+                                                                          k_dim_stride, v_row_stride, v_head_stride,
+                                                                          mask, scale, out);
+    if (__builtin_cpu_supports("avx2")) return decode_attention_avx2(q, kt, v, batch, heads, kv_heads, positions, dh,
+                                                                     k_row_stride, k_head_stride, k_dim_stride,
+                                                                     v_row_stride, v_head_stride, mask, scale, out);
+    return decode_attention_baseline(q, kt, v, batch, heads, kv_heads, positions, dh, k_row_stride, k_head_stride,
+                                     k_dim_stride, v_row_stride, v_head_stride, mask, scale, out);
+}
+#else
+int64_t decode_attention(DECODE_ATTENTION_ARGS)
+{
+#ifdef __AVX512F__
+    return DECODE_ATTENTION_CALL(0);
+#else
+    return DECODE_ATTENTION_CALL(NARROW_TILES);
+#endif
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------------------------
    the sampler's experts: every expert's SwiGLU on its token-slots, gate-weighted and summed into each token's row
@@ -996,17 +1157,6 @@ VECTOR_HELPER void prefetch_weights(const float *w, int64_t floats)
    with AVX2 (process time at decode shapes, 128 experts top-8 and 8 top-2). This version keeps two 8-float vectors
    of columns per slot (8 accumulators and 2 weight vectors). Each output still adds its products over k in order,
    each product and sum rounded once, so both versions give the same bits; only the tiling differs. */
-typedef float vec8 __attribute__((vector_size(32), aligned(4)));
-
-VECTOR_HELPER vec8 load8(const float *p)
-{
-    vec8 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-VECTOR_HELPER void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
-
 VECTOR_HELPER void block_times_narrow(const float *const in[SLOT_BLOCK], const float *w, int64_t depth,
                                       int64_t width, float *const rows[SLOT_BLOCK])
 {
@@ -1090,12 +1240,6 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
 #define SAMPLER_EXPERTS_ARGS const float *x, int64_t tokens, int64_t d, int64_t f, int64_t k, const int64_t *token_N, \
     const int64_t *order_N, const float *weights, const int64_t *counts, int64_t experts, const float *w_gate_up, \
     const float *w_down, float *out
-/* -DMOE_RL_WIDE_TILES gives every version the 16-float tiling: a test build, which checks that the two round alike */
-#ifdef MOE_RL_WIDE_TILES
-#define NARROW_TILES 0
-#else
-#define NARROW_TILES 1
-#endif
 #define SAMPLER_EXPERTS_CALL(narrow) \
     sampler_experts_body(x, tokens, d, f, k, token_N, order_N, weights, counts, experts, w_gate_up, w_down, out, narrow)
 
