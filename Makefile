@@ -12,7 +12,7 @@ TORCH  := torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-# Parallel sweep workers; each gets max(1, cores // workers) torch threads.
+# Parallel sweep workers, one torch thread each (moe-rl sweep --threads).
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 # Caps on the instruction sets of every library here that picks its kernels at run time: torch's own (ATen), MKL,
