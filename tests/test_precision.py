@@ -166,3 +166,10 @@ def test_the_bf16_sampler_samples_like_torchs_bf16_autocast(monkeypatch):
     ours = greedy()
     monkeypatch.setattr(precision, "engine_products", contextlib.nullcontext)
     assert (greedy() == ours).float().mean().item() >= 0.95
+
+
+def test_the_engine_groups_through_the_models_grouped_product():
+    """The engine's grouped products run through moe.grouped_mm (the fp32 CPU kernels), not torch's per-expert loop."""
+    from moe_rl.model import moe
+
+    assert precision._grouped_product["fp32"] is moe.grouped_mm

@@ -18,6 +18,7 @@ from torch import nn
 
 from moe_rl.model.config import ModelConfig
 from moe_rl.model.layers import SwiGLU, engine_router_dtype
+from moe_rl.model.precision import use_grouped_product
 from moe_rl.model.replaceable import replaceable
 
 
@@ -155,6 +156,9 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]; groups given by their end offsets."""
     return torch._grouped_mm(x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))
+
+
+use_grouped_product(grouped_mm)  # an emulated engine's grouped products, in fp32 (precision.engine_products)
 
 
 @replaceable("mkl_products")

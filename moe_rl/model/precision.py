@@ -109,17 +109,25 @@ def _widen(value):
     return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION else value
 
 
+# The fp32 grouped product the engine's grouped products run through: moe.grouped_mm (the fp32 kernels where they
+# serve), registered by moe.py, which imports this module (so this one cannot import it); torch's until then.
+_grouped_product = {"fp32": lambda x_ND, w_EDF, counts_E: torch._grouped_mm(
+    x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))}
+
+
+def use_grouped_product(grouped_mm) -> None:
+    """Make `grouped_mm(x_ND, w_EDF, counts_E)` the engine's fp32 grouped product."""
+    _grouped_product["fp32"] = grouped_mm
+
+
 def _grouped_in_fp32(x_ND, w_EDF, offs=None, bias=None, out_dtype=None):
-    """torch._grouped_mm(x_ND, w_EDF, offs) of 2-D rows by 3-D weights, in fp32 through the model's own grouped
-    product (moe.grouped_mm: the fp32 kernels where they serve)."""
+    """torch._grouped_mm(x_ND, w_EDF, offs) of 2-D rows by 3-D weights, in fp32 through the registered product."""
     if offs is None or bias is not None or out_dtype is not None or x_ND.dim() != 2 or w_EDF.dim() != 3:
         raise NotImplementedError("engine_products: torch._grouped_mm of 2-D rows by 3-D weights with offsets only")
-    from moe_rl.model.moe import grouped_mm  # imported here: moe imports layers, which imports this module
-
     ends_E = offs.to(torch.int64)
     counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     with torch.autocast("cpu", enabled=False):
-        return grouped_mm(x_ND.float(), w_EDF.float(), counts_E)
+        return _grouped_product["fp32"](x_ND.float(), w_EDF.float(), counts_E)
 
 
 @contextlib.contextmanager
