@@ -34,11 +34,11 @@ slower than idle): warm starts 156 s (4 blocks 8/2), 218 s (4 blocks 64/8) and 4
 107, 168 and 213 s. `make reproduce` measures the whole (results/README.md). The lrs: 5e-5 is the regime's
 (objective_comparison: +0.26 held-out in 30 steps); 1.5e-4 still learns (above) and moves the policy about 3x as far
 per update; 4e-4 (full=true; and the stress experiment) loses reward. `full=true` (81 runs, 9 warm starts) costs
-several times the default. `paper=true` adds 3 seeds x 2 lrs of a 48-block, 128-expert model: one RL step at
-16 x 8 short answers takes 3.6 s on an AVX-512 CPU (results/bench/avx512/step.md, last round's code) and 7.6 s on
-a 2-core AMD EPYC with AVX2 only (results/bench/avx2/step.md); this regime's 64 x 8 long completions are 4x the rollouts at about twice the
-tokens, and its warm start is 800 SFT steps (3.5 s each, measured earlier on a shared machine), so time one warm
-start and one run before sizing the arm. GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
+several times the default. `paper=true` adds 3 seeds x 2 lrs of a 48-block, 128-expert model. Measured on a 2-core
+AMD EPYC with AVX2 (2026-12-01, commit e48d762, other jobs sharing the cores): its warm start took 74 min (800 SFT
+steps at 4.1-5.0 s); a 10-step run (`--arg layers=48 experts=128/8 steps=10`, what results/churn_paper ran) took
+29 min two at a time with other jobs on the cores and about 17 min two at a time alone. The default grid's runs
+took 255-543 s there (8-block runs the longest). GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
 top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made
 by `make reproduce`.
 """
