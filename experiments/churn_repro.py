@@ -37,7 +37,7 @@ per update; 4e-4 (full=true; and the stress experiment) loses reward. `full=true
 several times the default. `paper=true` adds 3 seeds x 2 lrs of a 48-block, 128-expert model. Measured on a 2-core
 AMD EPYC with AVX2 (2026-12-01, commit e48d762, other jobs sharing the cores): its warm start took 74 min (800 SFT
 steps at 4.1-5.0 s); a 10-step run (`--arg layers=48 experts=128/8 steps=10`, what results/churn_paper ran) took
-29 min two at a time with other jobs on the cores and about 17 min two at a time alone. The default grid's runs
+1,757-1,760 s two at a time with other jobs on the cores and 922-937 s two at a time alone. The default grid's runs
 took 255-543 s there (8-block runs the longest). GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
 top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made
 by `make reproduce`.
