@@ -7,18 +7,23 @@ accuracy changed, how often it declined, and how far each update moved the polic
 writes the generic report (analysis.report, with per-run tables) and, beside it:
 
     tables/stability_cells.csv   per axis, method and axis value: n_seeds, change (mean, 95% t CI), n_declined,
-                                 decline_prob, kl_median (mean over seeds of each run's median update/kl)
+                                 decline_prob, greedy_change (mean, CI), kl_median (mean over seeds of each
+                                 run's median update/kl), set_change and churn (routing change per update)
     tables/critical.csv          per axis and method: the axis value where the mean change turns negative, with
                                  its 95% CI (analysis.stats.critical_point, t inversion over seeds)
     tables/kl_matched.csv        the learning-rate axis read at matched per-update KL: per method and KL point,
                                  the change (mean, CI over seeds) and its paired difference from the reference
                                  method (GRPO, native routing), with Holm's adjustment
+    tables/paired_cells.csv      every method against GRPO native in every cell, paired by seed, per endpoint
+                                 (T = 1 and greedy change): difference, CI, Holm p, TOST p at MARGIN, verdict
+    tables/paired_mdd.csv        per axis and endpoint: the minimum detectable paired difference
     figures/stability_map.png/.pdf
     STABILITY.md                 the tables above in words, with the definitions
 
 Definitions (also in docs/analysis.md, "The stability map"):
-- change: the mean of a run's last three held-out evaluations (`eval/reward`) minus its step-0 evaluation; three
-  points, not one, so that one noisy evaluation neither makes nor hides a decline.
+- change: the mean of a run's last three held-out evaluations (`eval/reward`, sampled at T = 1) minus its step-0
+  evaluation; three points, not one, so that one noisy evaluation neither makes nor hides a decline. greedy
+  change: the same of `eval/greedy`.
 - declined: that change is below -2 x its noise floor, sqrt(se_0^2 + mean(se_i^2) / 3), with se the logged
   `eval/reward_se` of each evaluation (binomial over prompts): the measured noise of one evaluation, not a fixed
   fraction of the start. A run with fewer than three evaluations after the start is not judged (NaN).
@@ -27,6 +32,9 @@ Definitions (also in docs/analysis.md, "The stability map"):
 - KL-matched: each seed's change is interpolated, in log per-update KL, at KL points inside the range every method
   covers on the learning-rate axis; a method "more stable" at matched KL gains more for the same step in policy
   space, which "takes smaller steps" cannot explain.
+- paired: a method and GRPO native with the same seed share the warm start and the step-0 evaluation, so their
+  difference is taken per seed (paired t), Holm-adjusted across the pairs of one axis and endpoint; "equivalent"
+  only from TOST at +-MARGIN, fixed before the runs (results/stability/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import summarize
-from analysis.stats import critical_point, holm, paired_t
+from analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from analysis.style import in_paper_style, new_figure, save
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
@@ -49,7 +57,13 @@ LAST_EVALUATIONS = 3
 FLOOR_SIGMAS = 2.0
 REFERENCE = "grpo native"
 CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
-                "n_judged", "decline_prob", "kl_median"]
+                "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low", "greedy_change_ci_high",
+                "kl_median", "set_change", "churn"]
+MARGIN = 0.03
+"""The equivalence margin of the paired comparisons (held-out accuracy), fixed before the runs in
+results/stability/PROTOCOL.md."""
+PAIRED_COLUMNS = ["axis", "endpoint", "value", "method", "n_pairs", "diff", "diff_ci_low", "diff_ci_high", "p",
+                  "p_holm", "tost_p", "tost_p_holm", "verdict", "reference_ci_high", "rescue"]
 
 
 def method_name(row) -> str:
@@ -76,25 +90,54 @@ def _present(value) -> bool:
     return not (isinstance(value, str) and value in ("", "None", "nan"))
 
 
+ENDPOINTS = {"change": ("eval/reward", "eval/reward_se"), "greedy_change": ("eval/greedy", "eval/greedy_se")}
+"""Per-run change columns and the evaluation metric (with its standard error) each is read from: sampled at T = 1
+(the primary endpoint) and greedy."""
+ENDPOINT_LABELS = {"change": "T = 1", "greedy_change": "greedy"}
+CHANGE_COLUMNS = ["run", "n_after", "start", "change", "floor", "declined", "greedy_start", "greedy_change",
+                  "greedy_floor", "greedy_declined"]
+
+
 def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: run, n_after (evaluations after step 0), start, change, floor, declined (NaN where a run
-    has fewer than LAST_EVALUATIONS evaluations after the start). `per_eval`: analysis.per_run.per_run_eval."""
+    """One row per run: run, n_after (evaluations after step 0), then per endpoint of ENDPOINTS (the greedy one's
+    columns prefixed `greedy_`) start, change, floor and declined: NaN where a run has fewer than LAST_EVALUATIONS
+    evaluations of that metric after the start. `per_eval`: analysis.per_run.per_run_eval."""
     rows = []
     for run, evals in per_eval.sort_values("step").groupby("run", sort=False):
-        evals = evals.dropna(subset=["eval/reward"])
-        start, after = evals[evals["step"] == 0], evals[evals["step"] > 0]
-        row = {"run": run, "n_after": len(after), "start": math.nan, "change": math.nan, "floor": math.nan,
-               "declined": math.nan}
-        if len(start) and len(after) >= LAST_EVALUATIONS:
-            last = after.tail(LAST_EVALUATIONS)
-            se = evals["eval/reward_se"] if "eval/reward_se" in evals else pd.Series(math.nan, index=evals.index)
-            floor = math.sqrt(float(se.loc[start.index[0]]) ** 2 + float((se.loc[last.index] ** 2).mean())
-                              / LAST_EVALUATIONS)
-            change = float(last["eval/reward"].mean() - start["eval/reward"].iloc[0])
-            row.update(start=float(start["eval/reward"].iloc[0]), change=change, floor=floor,
-                       declined=float(change < -FLOOR_SIGMAS * floor) if math.isfinite(floor) else math.nan)
+        primary = evals.dropna(subset=["eval/reward"]) if "eval/reward" in evals else evals.iloc[:0]
+        row = {"run": run, "n_after": int((primary["step"] > 0).sum())}
+        for endpoint, (metric, se_metric) in ENDPOINTS.items():
+            prefix = endpoint.removesuffix("change")
+            row.update({prefix + key: value for key, value in _endpoint_change(evals, metric, se_metric).items()})
         rows.append(row)
-    return pd.DataFrame(rows, columns=["run", "n_after", "start", "change", "floor", "declined"])
+    return pd.DataFrame(rows, columns=CHANGE_COLUMNS)
+
+
+def _endpoint_change(evals: pd.DataFrame, metric: str, se_metric: str) -> dict:
+    """start, change, floor and declined of one run's evaluations of `metric` (see the module docstring)."""
+    out = {"start": math.nan, "change": math.nan, "floor": math.nan, "declined": math.nan}
+    if metric not in evals:
+        return out
+    evals = evals.dropna(subset=[metric])
+    start, after = evals[evals["step"] == 0], evals[evals["step"] > 0]
+    if not len(start) or len(after) < LAST_EVALUATIONS:
+        return out
+    last = after.tail(LAST_EVALUATIONS)
+    se = evals[se_metric] if se_metric in evals else pd.Series(math.nan, index=evals.index)
+    floor = math.sqrt(float(se.loc[start.index[0]]) ** 2 + float((se.loc[last.index] ** 2).mean()) / LAST_EVALUATIONS)
+    change = float(last[metric].mean() - start[metric].iloc[0])
+    out.update(start=float(start[metric].iloc[0]), change=change, floor=floor,
+               declined=float(change < -FLOOR_SIGMAS * floor) if math.isfinite(floor) else math.nan)
+    return out
+
+
+def with_configs(per_run: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """per_run with the method and axis fields of each run's config (the report's runs.csv) in place of its own: the
+    generic report keeps only the fields that vary among the runs it grouped, which leaves out a field that one
+    method sets (the corrections) while only some runs have finished."""
+    fields = [c for c in (*METHOD_COLUMNS, *AXES) if c in runs]
+    return per_run.drop(columns=[c for c in fields if c in per_run]).merge(runs[["run", *fields]], on="run",
+                                                                             how="left")
 
 
 def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
@@ -120,18 +163,99 @@ def swept_axes(frame: pd.DataFrame, fixed: dict) -> list[str]:
 
 
 def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
-    """CELL_COLUMNS, per swept axis of `fixed` (its keys), method and axis value."""
+    """CELL_COLUMNS, per swept axis of `fixed` (its keys), method and axis value. set_change and churn: the seed
+    mean of each run's mean routing change per update (NaN where the runs did not log it)."""
     rows = []
     for axis in swept_axes(frame, fixed):
         for (method, value), runs in axis_runs(frame, axis, fixed).groupby(["method", axis], sort=True):
-            change = summarize(runs["change"])
+            change, greedy = summarize(runs["change"]), summarize(runs.get("greedy_change", pd.Series(dtype=float)))
             judged = runs["declined"].dropna()
-            rows.append({"axis": axis, "method": method, "value": float(value), "n_seeds": len(runs),
+            # n_seeds: runs with a change (a run still before its third evaluation after the start has none)
+            rows.append({"axis": axis, "method": method, "value": float(value), "n_seeds": change["n"],
                          "change": change["mean"], "change_ci_low": change["ci_low"],
                          "change_ci_high": change["ci_high"], "n_declined": int(judged.sum()),
                          "n_judged": len(judged), "decline_prob": judged.mean() if len(judged) else math.nan,
-                         "kl_median": runs["kl_median"].mean() if "kl_median" in runs else math.nan})
+                         "greedy_change": greedy["mean"], "greedy_change_ci_low": greedy["ci_low"],
+                         "greedy_change_ci_high": greedy["ci_high"],
+                         **{column: runs[column].mean() if column in runs else math.nan
+                            for column in ("kl_median", "set_change", "churn")}})
     return pd.DataFrame(rows, columns=CELL_COLUMNS)
+
+
+def paired_cells(frame: pd.DataFrame, fixed: dict, reference: str = REFERENCE, margin: float = MARGIN) -> pd.DataFrame:
+    """Every method against `reference` in every cell of each swept axis, paired by seed, per endpoint (the T = 1
+    change and the greedy change): the mean paired difference with its t CI and p, Holm's adjustment across the
+    pairs of one axis and endpoint, TOST at +-`margin` (Holm-adjusted the same way), and a verdict: "better" or
+    "worse" (Holm p < 0.05), "equivalent" (TOST Holm p < 0.05), else "undecided". `rescue`: the reference's change
+    in that cell has a 95% CI below 0 and the method is "better" there (results/stability/PROTOCOL.md)."""
+    rows = []
+    for axis in swept_axes(frame, fixed):
+        runs = axis_runs(frame, axis, fixed)
+        for endpoint in ENDPOINTS:
+            if endpoint not in runs:
+                continue
+            block = []
+            for value, cell in runs.groupby(axis, sort=True):
+                by_method = {m: r.dropna(subset=[endpoint]).set_index("seed")[endpoint]
+                             for m, r in cell.groupby("method")}
+                base = by_method.get(reference)
+                if base is None:
+                    continue
+                reference_ci_high = summarize(base)["ci_high"]
+                for method in sorted(set(by_method) - {reference}):
+                    seeds = sorted(set(by_method[method].index) & set(base.index))
+                    row = {"axis": axis, "endpoint": endpoint, "value": float(value), "method": method,
+                           "n_pairs": len(seeds), "reference_ci_high": reference_ci_high}
+                    if len(seeds) >= 2:
+                        a, b = by_method[method].loc[seeds].to_numpy(float), base.loc[seeds].to_numpy(float)
+                        diff = paired_t(a, b)
+                        row.update(diff=diff.mean_diff, diff_ci_low=diff.ci_low, diff_ci_high=diff.ci_high,
+                                   p=diff.p, tost_p=tost_p(diff, margin))
+                    block.append(row)
+            table = pd.DataFrame(block, columns=PAIRED_COLUMNS)
+            for column in ("p", "tost_p"):
+                tested = table[column].notna()
+                table.loc[tested, column + "_holm"] = holm(table.loc[tested, column].to_numpy(dtype=float))
+            table["verdict"] = [_verdict(r) for r in table.itertuples()]
+            table["rescue"] = (table["verdict"] == "better") & (table["reference_ci_high"] < 0)
+            rows.append(table)
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=PAIRED_COLUMNS)
+
+
+def _verdict(row) -> str:
+    if not math.isfinite(row.p_holm):
+        return "untested"
+    if row.p_holm < ALPHA:
+        return "better" if row.diff > 0 else "worse"
+    if math.isfinite(row.tost_p_holm) and row.tost_p_holm < ALPHA:
+        return "equivalent"
+    return "undecided"
+
+
+def paired_mdd(frame: pd.DataFrame, fixed: dict, reference: str = REFERENCE) -> pd.DataFrame:
+    """Per axis and endpoint: the minimum detectable paired difference (80% power, alpha 0.05, paired t) at the
+    median number of pairs, from the pooled sd of the paired differences over every (cell, method) with >= 2."""
+    rows = []
+    for axis in swept_axes(frame, fixed):
+        runs = axis_runs(frame, axis, fixed)
+        for endpoint in (e for e in ENDPOINTS if e in runs):
+            variances, weights, pairs = [], [], []
+            for _, cell in runs.groupby(axis):
+                wide = cell.pivot_table(index="seed", columns="method", values=endpoint)
+                if reference not in wide:
+                    continue
+                for method in (m for m in wide.columns if m != reference):
+                    diffs = (wide[method] - wide[reference]).dropna()
+                    if len(diffs) >= 2:
+                        variances.append(diffs.var(ddof=1))
+                        weights.append(len(diffs) - 1)
+                        pairs.append(len(diffs))
+            if not pairs:
+                continue
+            sd = math.sqrt(float(np.average(variances, weights=weights)))
+            n = int(np.median(pairs))
+            rows.append({"axis": axis, "endpoint": endpoint, "n_pairs": n, "sd_diff": sd, "mdd": mdd_paired(n, sd)})
+    return pd.DataFrame(rows, columns=["axis", "endpoint", "n_pairs", "sd_diff", "mdd"])
 
 
 def critical_values(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
@@ -225,35 +349,69 @@ def fig_stability_map(cells: pd.DataFrame):
     return fig
 
 
-def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict) -> str:
+def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
+                       paired: pd.DataFrame | None = None, mdd: pd.DataFrame | None = None) -> str:
     fixed_text = ", ".join(f"`{k}` = {v:g}" for k, v in fixed.items())
     lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
              "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
-             "## Cells", "", "| axis | method | value | seeds | held-out change [95% CI] | declined / judged | "
-             "median KL per update |", "|---|---|---|---|---|---|---|"]
+             "## Cells", "", "| axis | method | value | seeds | held-out change, T = 1 [95% CI] | declined / judged | "
+             "greedy change [95% CI] | median KL per update | set change per update |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in cells.itertuples():
-        ci = f" [{r.change_ci_low:+.3f}, {r.change_ci_high:+.3f}]" if math.isfinite(r.change_ci_low) else ""
-        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | {r.change:+.3f}{ci} | "
-                     f"{r.n_declined} / {r.n_judged} | {r.kl_median:.3g} |")
+        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | "
+                     f"{_with_ci(r.change, r.change_ci_low, r.change_ci_high)} | {r.n_declined} / {r.n_judged} | "
+                     f"{_with_ci(r.greedy_change, r.greedy_change_ci_low, r.greedy_change_ci_high)} | "
+                     f"{r.kl_median:.3g} | {_percent(r.set_change)} |")
     lines += ["", "## Critical values", "", "| axis | method | seeds | where the change turns negative [95% CI] |",
               "|---|---|---|---|"]
     for r in critical.itertuples():
         lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.n_seeds} | {r.critical:.3g} "
                      f"[{r.ci_low:.3g}, {r.ci_high:.3g}] |")
+    if paired is not None and len(paired):
+        lines += _paired_markdown(paired, mdd)
     lines += ["", f"## At matched per-update KL (learning-rate axis; differences from {REFERENCE}, paired over seeds)",
               "", "| KL per update | method | seeds | change [95% CI] | minus reference [95% CI] | p (Holm) |",
               "|---|---|---|---|---|---|"]
     for r in matched.itertuples():
-        diff = (f"{r.diff_vs_reference:+.3f} [{r.diff_ci_low:+.3f}, {r.diff_ci_high:+.3f}]"
-                if math.isfinite(r.diff_vs_reference) else "")
+        diff = _with_ci(r.diff_vs_reference, r.diff_ci_low, r.diff_ci_high) if math.isfinite(r.diff_vs_reference) else ""
         p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
         lines.append(f"| {r.kl:.3g} | {r.method} | {r.n_seeds} | {r.change:+.3f} | {diff} | {p} |")
     return "\n".join(lines) + "\n"
 
 
+def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None) -> list[str]:
+    lines = ["", f"## Each method against {REFERENCE}, cell by cell (paired by seed)", "",
+             f"Paired t; Holm across the pairs of one axis and endpoint; TOST at +-{MARGIN:g} (the margin fixed in "
+             "results/stability/PROTOCOL.md), Holm-adjusted the same way. verdict: better / worse (Holm p < 0.05), "
+             "equivalent (TOST Holm p < 0.05), undecided. rescue: the reference's change has a CI below 0 there and "
+             "the method is better."]
+    if mdd is not None and len(mdd):
+        lines += ["", "Minimum detectable paired difference (80% power, alpha 0.05, pooled sd of the differences): " +
+                  "; ".join(f"{AXES.get(r.axis, r.axis)}, {ENDPOINT_LABELS[r.endpoint]}: {r.mdd:.3f} at "
+                            f"{r.n_pairs} seeds (sd {r.sd_diff:.3f})" for r in mdd.itertuples()) + "."]
+    lines += ["", "| axis | endpoint | value | method | pairs | minus reference [95% CI] | p (Holm) | TOST p (Holm) | "
+              "verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in paired.itertuples():
+        diff = _with_ci(r.diff, r.diff_ci_low, r.diff_ci_high) if math.isfinite(r.diff) else ""
+        p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
+        tost = f"{r.tost_p_holm:.3f}" if math.isfinite(r.tost_p_holm) else ""
+        verdict = r.verdict + (" (rescue)" if r.rescue else "")
+        lines.append(f"| {AXES.get(r.axis, r.axis)} | {ENDPOINT_LABELS[r.endpoint]} | {r.value:g} | {r.method} | "
+                     f"{r.n_pairs} | {diff} | {p} | {tost} | {verdict} |")
+    return lines
+
+
+def _with_ci(value: float, low: float, high: float) -> str:
+    if not math.isfinite(value):
+        return ""
+    return f"{value:+.3f}" + (f" [{low:+.3f}, {high:+.3f}]" if math.isfinite(low) else "")
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.2f}%" if math.isfinite(value) else ""
+
+
 def main(argv: list[str] | None = None) -> None:
-    from analysis.load import load_runs
-    from analysis.per_run import per_run_eval
     from analysis.report import ReportConfig, report
     from experiments.stability import FIXED_LR, FIXED_MINIBATCHES
 
@@ -267,15 +425,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="the minibatches per rollout batch of the learning-rate axis")
     args = parser.parse_args(argv)
     out = report(ReportConfig(args.runs, out=args.out, baseline=args.baseline))
-    per_run = pd.read_csv(out / "tables" / "per_run_final.csv")
-    frame = with_methods(per_run, per_run_eval(load_runs(args.runs)))
+    # The report's own per-run tables (what results/ commits), so that the map is recomputable from them.
+    per_run = with_configs(pd.read_csv(out / "tables" / "per_run_final.csv"), pd.read_csv(out / "tables" / "runs.csv"))
+    frame = with_methods(per_run, pd.read_csv(out / "tables" / "per_run_eval.csv"))
     fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
     cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
-    matched = kl_matched(frame, fixed)
-    for name, table in (("stability_cells", cells), ("critical", critical), ("kl_matched", matched)):
+    matched, paired, mdd = kl_matched(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
+    tables = (("stability_cells", cells), ("critical", critical), ("kl_matched", matched), ("paired_cells", paired),
+              ("paired_mdd", mdd))
+    for name, table in tables:
         table.to_csv(out / "tables" / f"{name}.csv", index=False)
-    save(fig_stability_map(cells), out / "figures", "stability_map")
-    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed), encoding="utf-8")
+    if len(cells):  # no axis has two values yet (a sweep's first runs)
+        save(fig_stability_map(cells), out / "figures", "stability_map")
+    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd),
+                                             encoding="utf-8")
     print(f"analysis.stability: {len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
 
 

@@ -102,3 +102,97 @@ def test_the_map_draws_one_panel_per_axis():
     heat_maps = [ax for ax in fig.axes if ax.images]
     assert len(heat_maps) == 2 and [ax.get_xlabel() for ax in heat_maps] == ["learning rate",
                                                                               "minibatches per rollout batch"]
+
+
+def _paired_frame() -> pd.DataFrame:
+    """Two cells (lr 1e-4, 4e-4) x 4 seeds x three methods, change = reference + an offset per method and cell plus a
+    seed effect every method shares (so pairing removes it): R2 +0.10 at 4e-4 (where the reference falls to
+    -0.20), R3 +0.002 everywhere, GSPO -0.10 at 1e-4."""
+    seed_effect = [0.05, -0.04, 0.01, -0.02]
+    jitter = [0.004, -0.003, 0.001, -0.002]
+    base = {1e-4: 0.10, 4e-4: -0.20}
+    offsets = {"grpo R2": {1e-4: 0.0, 4e-4: 0.10}, "grpo R3": {1e-4: 0.002, 4e-4: 0.002},
+               "gspo native": {1e-4: -0.10, 4e-4: 0.0}}
+    rows = []
+    for lr, start in base.items():
+        for seed, (effect, noise) in enumerate(zip(seed_effect, jitter)):
+            rows.append({"method": "grpo native", "optim.lr": lr, "minibatches": 4, "seed": seed,
+                         "change": start + effect, "greedy_change": start + effect})
+            for i, (method, by_lr) in enumerate(offsets.items()):
+                value = start + effect + by_lr[lr] + noise * (i + 1)
+                rows.append({"method": method, "optim.lr": lr, "minibatches": 4, "seed": seed, "change": value,
+                             "greedy_change": value})
+    return pd.DataFrame(rows)
+
+
+def test_paired_cells_remove_the_shared_seed_effect_and_call_rescues_and_equivalence():
+    from analysis.stability import paired_cells
+    from analysis.stats import holm, paired_t, tost_p
+
+    frame = _paired_frame()
+    paired = paired_cells(frame, {"optim.lr": 5e-5, "minibatches": 4})
+    t1 = paired[paired["endpoint"] == "change"].set_index(["value", "method"])
+    assert len(t1) == 6 and set(paired["endpoint"]) == {"change", "greedy_change"}
+    # the numbers are the textbook paired t, Holm over the 6 pairs of the table, TOST at the fixed margin
+    r2 = frame[frame["method"] == "grpo R2"].set_index(["optim.lr", "seed"])["change"]
+    ref = frame[frame["method"] == "grpo native"].set_index(["optim.lr", "seed"])["change"]
+    expected = paired_t(r2.loc[4e-4].to_numpy(), ref.loc[4e-4].to_numpy())
+    assert t1.loc[(4e-4, "grpo R2"), "diff"] == pytest.approx(0.10 + np.mean([0.004, -0.003, 0.001, -0.002]))
+    assert t1.loc[(4e-4, "grpo R2"), "p"] == pytest.approx(expected.p)
+    assert t1.loc[(4e-4, "grpo R2"), "tost_p"] == pytest.approx(tost_p(expected, 0.03))
+    np.testing.assert_allclose(t1["p_holm"].to_numpy(), holm(t1["p"].to_numpy()))
+    # the reference falls at 4e-4 (CI below 0) and R2 is better there: a rescue; at 1e-4 R2 is the reference
+    assert t1.loc[(4e-4, "grpo R2"), "verdict"] == "better" and bool(t1.loc[(4e-4, "grpo R2"), "rescue"])
+    assert t1.loc[(1e-4, "gspo native"), "verdict"] == "worse" and not t1.loc[(1e-4, "gspo native"), "rescue"]
+    # R3 is 0.002 off with a spread of a few thousandths: equivalent at +-0.03, not "undecided"
+    assert t1.loc[(1e-4, "grpo R3"), "verdict"] == "equivalent"
+    assert t1.loc[(4e-4, "grpo R3"), "verdict"] == "equivalent"
+
+
+def test_a_pair_without_enough_seeds_is_untested_and_noise_is_undecided():
+    from analysis.stability import paired_cells
+
+    frame = _paired_frame()
+    frame = frame[~((frame["method"] == "grpo R3") & (frame["seed"] > 0))]  # R3 has one seed left
+    rng = np.random.default_rng(1)
+    noisy = frame["method"] == "gspo native"
+    frame.loc[noisy, "change"] = frame.loc[noisy, "change"] + rng.normal(0, 0.2, noisy.sum())
+    paired = paired_cells(frame, {"optim.lr": 5e-5, "minibatches": 4}).set_index(["endpoint", "value", "method"])
+    assert paired.loc[("change", 1e-4, "grpo R3"), "verdict"] == "untested"
+    assert paired.loc[("change", 1e-4, "grpo R3"), "n_pairs"] == 1
+    assert paired.loc[("change", 4e-4, "gspo native"), "verdict"] == "undecided"
+
+
+def test_the_minimum_detectable_difference_uses_the_pooled_sd_of_the_differences():
+    from analysis.stability import paired_mdd
+    from analysis.stats import mdd_paired
+
+    frame = _paired_frame()
+    mdd = paired_mdd(frame, {"optim.lr": 5e-5, "minibatches": 4}).set_index(["axis", "endpoint"])
+    # each method's differences are jitter x (i + 1): sd of [4, -3, 1, -2] e-3 times 1, 2, 3, pooled equally
+    sd = np.std([0.004, -0.003, 0.001, -0.002], ddof=1) * math.sqrt(np.mean([1, 4, 9]))
+    assert mdd.loc[("optim.lr", "change"), "sd_diff"] == pytest.approx(sd)
+    assert mdd.loc[("optim.lr", "change"), "mdd"] == pytest.approx(mdd_paired(4, sd))
+
+
+def test_the_greedy_endpoint_is_read_like_the_sampled_one():
+    rows = [("a", s, v, g) for s, v, g in zip((0, 5, 10, 15), (0.10, 0.12, 0.14, 0.16), (0.2, 0.3, 0.3, 0.3))]
+    per_eval = pd.DataFrame(rows, columns=["run", "step", "eval/reward", "eval/greedy"])
+    per_eval["eval/reward_se"] = 0.01
+    per_eval["eval/greedy_se"] = 0.01
+    changes = run_changes(per_eval).set_index("run")
+    assert changes.loc["a", "change"] == pytest.approx(0.04)
+    assert changes.loc["a", "greedy_change"] == pytest.approx(0.1)
+    assert changes.loc["a", "greedy_declined"] == 0.0 and changes.loc["a", "n_after"] == 3
+
+
+def test_method_fields_come_from_the_run_configs_when_the_report_left_them_out():
+    from analysis.stability import with_configs
+
+    per_run = pd.DataFrame({"run": ["a", "b"], "seed": [0, 0], "routing_mode": ["native", "native"]})
+    runs = pd.DataFrame({"run": ["b", "a"], "routing_mode": ["native", "native"], "objective.name": ["grpo", "grpo"],
+                         "correction.is_level": ["token", "none"], "correction.is_cap": [2.0, None],
+                         "correction.is_band": [None, None], "optim.lr": [1e-4, 1e-4], "minibatches": [4, 4]})
+    frame = with_configs(per_run, runs)
+    assert list(frame["run"]) == ["a", "b"] and list(frame["minibatches"]) == [4, 4]
+    assert [method_name(row) for _, row in frame.iterrows()] == ["grpo native", "grpo native TIS cap 2"]
