@@ -1038,51 +1038,34 @@ VECTOR_HELPER int64_t decode_attention_body(const float *q, const float *kt, con
 #define NARROW_TILES 1
 #endif
 
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(MOE_RL_ONE_VERSION)
+/* One version of `name` per instruction set, picked at each call (target_clones cannot give the versions different
+   code): CALL(narrow) calls its body with the 16-float tiling (0) or the 8-float one; NAMES are ARGS' names */
+#define PER_ISA_VERSIONS(name, ARGS, NAMES, CALL) \
+    __attribute__((target("avx512f"))) static int64_t name##_avx512(ARGS) { return CALL(0); } \
+    __attribute__((target("avx2"))) static int64_t name##_avx2(ARGS) { return CALL(NARROW_TILES); } \
+    static int64_t name##_baseline(ARGS) { return CALL(NARROW_TILES); } \
+    int64_t name(ARGS) \
+    { \
+        __builtin_cpu_init(); \
+        if (__builtin_cpu_supports("avx512f")) return name##_avx512(NAMES); \
+        if (__builtin_cpu_supports("avx2")) return name##_avx2(NAMES); \
+        return name##_baseline(NAMES); \
+    }
+#elif defined(__AVX512F__)
+#define PER_ISA_VERSIONS(name, ARGS, NAMES, CALL) int64_t name(ARGS) { return CALL(0); }
+#else
+#define PER_ISA_VERSIONS(name, ARGS, NAMES, CALL) int64_t name(ARGS) { return CALL(NARROW_TILES); }
+#endif
+
 #define DECODE_ATTENTION_ARGS const float *q, const float *kt, const float *v, int64_t batch, int64_t heads, \
     int64_t kv_heads, int64_t positions, int64_t dh, int64_t k_row_stride, int64_t k_head_stride, \
     int64_t k_dim_stride, int64_t v_row_stride, int64_t v_head_stride, const uint8_t *mask, float scale, float *out
-#define DECODE_ATTENTION_CALL(narrow) \
-    decode_attention_body(q, kt, v, batch, heads, kv_heads, positions, dh, k_row_stride, k_head_stride, \
-                          k_dim_stride, v_row_stride, v_head_stride, mask, scale, out, narrow)
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(MOE_RL_ONE_VERSION)
-/* One version per instruction set, picked at each call (target_clones cannot give the versions different code) */
-__attribute__((target("avx512f"))) static int64_t decode_attention_avx512(DECODE_ATTENTION_ARGS)
-{
-    return DECODE_ATTENTION_CALL(0);
-}
-
-__attribute__((target("avx2"))) static int64_t decode_attention_avx2(DECODE_ATTENTION_ARGS)
-{
-    return DECODE_ATTENTION_CALL(NARROW_TILES);
-}
-
-static int64_t decode_attention_baseline(DECODE_ATTENTION_ARGS) { return DECODE_ATTENTION_CALL(NARROW_TILES); }
-
-int64_t decode_attention(DECODE_ATTENTION_ARGS)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return decode_attention_avx512(q, kt, v, batch, heads, kv_heads, positions,
-                                                                          dh, k_row_stride, k_head_stride,
-                                                                          k_dim_stride, v_row_stride, v_head_stride,
-                                                                          mask, scale, out);
-    if (__builtin_cpu_supports("avx2")) return decode_attention_avx2(q, kt, v, batch, heads, kv_heads, positions, dh,
-                                                                     k_row_stride, k_head_stride, k_dim_stride,
-                                                                     v_row_stride, v_head_stride, mask, scale, out);
-    return decode_attention_baseline(q, kt, v, batch, heads, kv_heads, positions, dh, k_row_stride, k_head_stride,
-                                     k_dim_stride, v_row_stride, v_head_stride, mask, scale, out);
-}
-#else
-int64_t decode_attention(DECODE_ATTENTION_ARGS)
-{
-#ifdef __AVX512F__
-    return DECODE_ATTENTION_CALL(0);
-#else
-    return DECODE_ATTENTION_CALL(NARROW_TILES);
-#endif
-}
-#endif
+#define DECODE_ATTENTION_NAMES q, kt, v, batch, heads, kv_heads, positions, dh, k_row_stride, k_head_stride, \
+    k_dim_stride, v_row_stride, v_head_stride, mask, scale, out
+#define DECODE_ATTENTION_CALL(narrow) decode_attention_body(DECODE_ATTENTION_NAMES, narrow)
+PER_ISA_VERSIONS(decode_attention, DECODE_ATTENTION_ARGS, DECODE_ATTENTION_NAMES, DECODE_ATTENTION_CALL)
 
 /* ---------------------------------------------------------------------------------------------------------------
    the sampler's experts: every expert's SwiGLU on its token-slots, gate-weighted and summed into each token's row
@@ -1240,42 +1223,6 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
 #define SAMPLER_EXPERTS_ARGS const float *x, int64_t tokens, int64_t d, int64_t f, int64_t k, const int64_t *token_N, \
     const int64_t *order_N, const float *weights, const int64_t *counts, int64_t experts, const float *w_gate_up, \
     const float *w_down, float *out
-#define SAMPLER_EXPERTS_CALL(narrow) \
-    sampler_experts_body(x, tokens, d, f, k, token_N, order_N, weights, counts, experts, w_gate_up, w_down, out, narrow)
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(MOE_RL_ONE_VERSION)
-/* One version per instruction set, picked at each call (target_clones cannot give the versions different code) */
-__attribute__((target("avx512f"))) static int64_t sampler_experts_avx512(SAMPLER_EXPERTS_ARGS)
-{
-    return SAMPLER_EXPERTS_CALL(0);
-}
-
-__attribute__((target("avx2"))) static int64_t sampler_experts_avx2(SAMPLER_EXPERTS_ARGS)
-{
-    return SAMPLER_EXPERTS_CALL(NARROW_TILES);
-}
-
-static int64_t sampler_experts_baseline(SAMPLER_EXPERTS_ARGS) { return SAMPLER_EXPERTS_CALL(NARROW_TILES); }
-
-int64_t sampler_experts(SAMPLER_EXPERTS_ARGS)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return sampler_experts_avx512(x, tokens, d, f, k, token_N, order_N,
-                                                                         weights, counts, experts, w_gate_up, w_down,
-                                                                         out);
-    if (__builtin_cpu_supports("avx2")) return sampler_experts_avx2(x, tokens, d, f, k, token_N, order_N, weights,
-                                                                    counts, experts, w_gate_up, w_down, out);
-    return sampler_experts_baseline(x, tokens, d, f, k, token_N, order_N, weights, counts, experts, w_gate_up,
-                                    w_down, out);
-}
-#else
-int64_t sampler_experts(SAMPLER_EXPERTS_ARGS)
-{
-#ifdef __AVX512F__
-    return SAMPLER_EXPERTS_CALL(0);
-#else
-    return SAMPLER_EXPERTS_CALL(NARROW_TILES);
-#endif
-}
-#endif
+#define SAMPLER_EXPERTS_NAMES x, tokens, d, f, k, token_N, order_N, weights, counts, experts, w_gate_up, w_down, out
+#define SAMPLER_EXPERTS_CALL(narrow) sampler_experts_body(SAMPLER_EXPERTS_NAMES, narrow)
+PER_ISA_VERSIONS(sampler_experts, SAMPLER_EXPERTS_ARGS, SAMPLER_EXPERTS_NAMES, SAMPLER_EXPERTS_CALL)
