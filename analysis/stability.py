@@ -27,6 +27,8 @@ Definitions (also in docs/analysis.md, "The stability map"):
 - declined: that change is below -2 x its noise floor, sqrt(se_0^2 + mean(se_i^2) / 3), with se the logged
   `eval/reward_se` of each evaluation (binomial over prompts): the measured noise of one evaluation, not a fixed
   fraction of the start. A run with fewer than three evaluations after the start is not judged (NaN).
+- results only: runs still running, failed or interrupted are left out; a diverged run (non-finite loss or
+  gradients, docs/metrics.md) declined, with change = 0 - start.
 - critical value: where the seed-mean change crosses zero along the axis (log-linear interpolation), with the
   t-inversion CI; -inf / inf when the crossing lies below / above the grid.
 - KL-matched: each seed's change is interpolated, in log per-update KL, at KL points inside the range every method
@@ -56,9 +58,10 @@ AXES = {"optim.lr": "learning rate", "minibatches": "minibatches per rollout bat
 LAST_EVALUATIONS = 3
 FLOOR_SIGMAS = 2.0
 REFERENCE = "grpo native"
+RESULT_STATUSES = ("finished", "diverged")  # moe_rl.runs.claim: the ways a run ends as a result
 CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
                 "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low", "greedy_change_ci_high",
-                "kl_median", "set_change", "churn"]
+                "kl_median", "set_change", "churn", "reward_gain"]
 MARGIN = 0.03
 """The equivalence margin of the paired comparisons (held-out accuracy), fixed before the runs in
 results/stability/PROTOCOL.md."""
@@ -114,19 +117,22 @@ def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
 
 
 def _endpoint_change(evals: pd.DataFrame, metric: str, se_metric: str) -> dict:
-    """start, change, floor and declined of one run's evaluations of `metric` (see the module docstring)."""
+    """start, change, floor and declined of one run's evaluations of `metric` (see the module docstring); start
+    wherever the run has its step-0 evaluation."""
     out = {"start": math.nan, "change": math.nan, "floor": math.nan, "declined": math.nan}
     if metric not in evals:
         return out
     evals = evals.dropna(subset=[metric])
     start, after = evals[evals["step"] == 0], evals[evals["step"] > 0]
+    if len(start):
+        out["start"] = float(start[metric].iloc[0])
     if not len(start) or len(after) < LAST_EVALUATIONS:
         return out
     last = after.tail(LAST_EVALUATIONS)
     se = evals[se_metric] if se_metric in evals else pd.Series(math.nan, index=evals.index)
     floor = math.sqrt(float(se.loc[start.index[0]]) ** 2 + float((se.loc[last.index] ** 2).mean()) / LAST_EVALUATIONS)
     change = float(last[metric].mean() - start[metric].iloc[0])
-    out.update(start=float(start[metric].iloc[0]), change=change, floor=floor,
+    out.update(change=change, floor=floor,
                declined=float(change < -FLOOR_SIGMAS * floor) if math.isfinite(floor) else math.nan)
     return out
 
@@ -141,10 +147,21 @@ def with_configs(per_run: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
-    """per_run (analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`."""
+    """per_run (analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results only:
+    a run still running, failed or interrupted (`status`, where the table has it) is left out. A diverged run is a
+    result: it declined, and its changes are 0 minus its start (a policy with non-finite weights solves nothing),
+    so that an lr which blows a run up counts against the method instead of leaving the cell."""
     frame = per_run.copy()
+    if "status" in frame:
+        frame = frame[frame["status"].isin(RESULT_STATUSES)]
     frame["method"] = [method_name(row) for _, row in frame.iterrows()]
-    return frame.merge(run_changes(per_eval), on="run", how="left")
+    frame = frame.merge(run_changes(per_eval), on="run", how="left")
+    if "status" in frame:
+        diverged = frame["status"] == "diverged"
+        for prefix in ("", "greedy_"):
+            frame.loc[diverged, prefix + "change"] = -frame.loc[diverged, prefix + "start"]
+            frame.loc[diverged, prefix + "declined"] = 1.0
+    return frame.reset_index(drop=True)
 
 
 def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -164,7 +181,8 @@ def swept_axes(frame: pd.DataFrame, fixed: dict) -> list[str]:
 
 def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
     """CELL_COLUMNS, per swept axis of `fixed` (its keys), method and axis value. set_change and churn: the seed
-    mean of each run's mean routing change per update (NaN where the runs did not log it)."""
+    mean of each run's mean routing change per update; reward_gain: of its training reward's gain (the secondary
+    endpoint; analysis.cells); NaN where the runs did not log them."""
     rows = []
     for axis in swept_axes(frame, fixed):
         for (method, value), runs in axis_runs(frame, axis, fixed).groupby(["method", axis], sort=True):
@@ -178,7 +196,7 @@ def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
                          "greedy_change": greedy["mean"], "greedy_change_ci_low": greedy["ci_low"],
                          "greedy_change_ci_high": greedy["ci_high"],
                          **{column: runs[column].mean() if column in runs else math.nan
-                            for column in ("kl_median", "set_change", "churn")}})
+                            for column in ("kl_median", "set_change", "churn", "reward_gain")}})
     return pd.DataFrame(rows, columns=CELL_COLUMNS)
 
 
@@ -355,13 +373,13 @@ def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.
     lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
              "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
              "## Cells", "", "| axis | method | value | seeds | held-out change, T = 1 [95% CI] | declined / judged | "
-             "greedy change [95% CI] | median KL per update | set change per update |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "greedy change [95% CI] | median KL per update | set change per update | training reward gain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in cells.itertuples():
         lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | "
                      f"{_with_ci(r.change, r.change_ci_low, r.change_ci_high)} | {r.n_declined} / {r.n_judged} | "
                      f"{_with_ci(r.greedy_change, r.greedy_change_ci_low, r.greedy_change_ci_high)} | "
-                     f"{r.kl_median:.3g} | {_percent(r.set_change)} |")
+                     f"{r.kl_median:.3g} | {_percent(r.set_change)} | {_with_ci(r.reward_gain, math.nan, math.nan)} |")
     lines += ["", "## Critical values", "", "| axis | method | seeds | where the change turns negative [95% CI] |",
               "|---|---|---|---|"]
     for r in critical.itertuples():

@@ -196,3 +196,19 @@ def test_method_fields_come_from_the_run_configs_when_the_report_left_them_out()
     frame = with_configs(per_run, runs)
     assert list(frame["run"]) == ["a", "b"] and list(frame["minibatches"]) == [4, 4]
     assert [method_name(row) for _, row in frame.iterrows()] == ["grpo native", "grpo native TIS cap 2"]
+
+
+def test_only_results_count_and_a_diverged_run_declines_to_zero():
+    per_run = pd.DataFrame({"run": ["done", "blown", "live"], "seed": [0, 1, 2], "status": ["finished", "diverged",
+                            "running"], "objective.name": "grpo", "routing_mode": "native", "optim.lr": 4e-4,
+                            "minibatches": 4})
+    rows = [("done", s, v) for s, v in zip((0, 5, 10, 15), (0.10, 0.12, 0.14, 0.16))]
+    rows += [("blown", 0, 0.10), ("blown", 5, 0.11)]  # diverged after its first evaluation
+    rows += [("live", s, v) for s, v in zip((0, 5, 10, 15), (0.10, 0.20, 0.20, 0.20))]
+    per_eval = pd.DataFrame(rows, columns=["run", "step", "eval/reward"])
+    per_eval["eval/greedy"], per_eval["eval/reward_se"], per_eval["eval/greedy_se"] = per_eval["eval/reward"], 0.01, 0.01
+    frame = with_methods(per_run, per_eval).set_index("run")
+    assert list(frame.index) == ["done", "blown"]  # the running one is not a result yet
+    assert frame.loc["blown", "change"] == pytest.approx(-0.10) and frame.loc["blown", "declined"] == 1.0
+    assert frame.loc["blown", "greedy_change"] == pytest.approx(-0.10)
+    assert frame.loc["done", "change"] == pytest.approx(0.04) and frame.loc["done", "declined"] == 0.0
