@@ -164,6 +164,22 @@ def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """The frame with one run per (method, axis values, seed), the first, and how many repeats were dropped. The
+    two axes share a cell, so an lr sweep and a staleness sweep read together hold that cell's runs twice; a repeat
+    whose change differs from the kept run's is an error (the two were not the same run)."""
+    key = ["method", *[a for a in AXES if a in frame], "seed"]
+    repeated = frame.duplicated(subset=key, keep="first")
+    if repeated.any():
+        kept = frame[~repeated].set_index(key)["change"]
+        again = frame[repeated].set_index(key)["change"]
+        differs = ~np.isclose(again.to_numpy(float), kept.loc[again.index].to_numpy(float), equal_nan=True)
+        if differs.any():
+            raise ValueError(f"runs repeat a cell with a different held-out change: {list(again.index[differs])}; "
+                             "read one sweep at a time, or check what differs between them")
+    return frame[~repeated].reset_index(drop=True), int(repeated.sum())
+
+
 def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
     """The runs of one axis: every other key of `fixed` at its fixed value (a key the table lacks did not vary: every
     run has it)."""
@@ -435,17 +451,18 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m analysis.stability", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", help="the stability sweep directory (or any folder of its runs)")
+    parser.add_argument("runs", help="the stability sweep directory, or a folder holding several (an lr sweep and a "
+                        "staleness sweep: their shared cell's repeats are dropped)")
     parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
     parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
     parser.add_argument("--fixed-lr", type=float, default=FIXED_LR, help="the learning rate of the staleness axis")
     parser.add_argument("--fixed-minibatches", type=int, default=FIXED_MINIBATCHES,
                         help="the minibatches per rollout batch of the learning-rate axis")
     args = parser.parse_args(argv)
-    out = report(ReportConfig(args.runs, out=args.out, baseline=args.baseline))
+    out = report(ReportConfig(args.runs, out=args.out, baseline=args.baseline, equivalence_margin=MARGIN))
     # The report's own per-run tables (what results/ commits), so that the map is recomputable from them.
     per_run = with_configs(pd.read_csv(out / "tables" / "per_run_final.csv"), pd.read_csv(out / "tables" / "runs.csv"))
-    frame = with_methods(per_run, pd.read_csv(out / "tables" / "per_run_eval.csv"))
+    frame, repeats = drop_repeats(with_methods(per_run, pd.read_csv(out / "tables" / "per_run_eval.csv")))
     fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
     cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
     matched, paired, mdd = kl_matched(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
@@ -457,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
         save(fig_stability_map(cells), out / "figures", "stability_map")
     (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd),
                                              encoding="utf-8")
-    print(f"analysis.stability: {len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
+    print(f"analysis.stability: {len(frame)} runs ({repeats} repeats of a shared cell dropped), {len(cells)} cells, "
+          f"{len(critical)} critical values -> {out}/STABILITY.md")
 
 
 if __name__ == "__main__":

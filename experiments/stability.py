@@ -21,6 +21,10 @@ steps"; and the figure.
     moe-rl sweep stability --arg n_layers=16                         # the deep arm (its own warm start)
     python -m analysis.stability sweeps/stability --out results/stability \\
         --baseline sweeps/stability/warmstart/<key>/evaluate
+    # one axis at a time into one folder, read together (the shared cell's repeat is dropped):
+    moe-rl sweep stability --arg axes=lr --sweep-dir sweeps/stability/lr --workers 2
+    moe-rl sweep stability --arg axes=staleness --sweep-dir sweeps/stability/staleness --workers 2
+    python -m analysis.stability sweeps/stability --out results/stability
     moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
 
 CPU, estimated (not yet run). length_generalisation's 30-step runs took 743-807 s each, two at a time on 2 cores:

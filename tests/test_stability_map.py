@@ -212,3 +212,15 @@ def test_only_results_count_and_a_diverged_run_declines_to_zero():
     assert frame.loc["blown", "change"] == pytest.approx(-0.10) and frame.loc["blown", "declined"] == 1.0
     assert frame.loc["blown", "greedy_change"] == pytest.approx(-0.10)
     assert frame.loc["done", "change"] == pytest.approx(0.04) and frame.loc["done", "declined"] == 0.0
+
+
+def test_the_shared_cell_of_two_sweeps_counts_once_and_a_differing_repeat_is_refused():
+    from analysis.stability import drop_repeats
+
+    frame = pd.DataFrame({"method": ["grpo native"] * 3, "optim.lr": [5e-5, 5e-5, 1e-4], "minibatches": [4, 4, 4],
+                          "seed": [0, 0, 0], "change": [0.05, 0.05, 0.02], "run": ["lr/a", "staleness/a", "lr/b"]})
+    kept, dropped = drop_repeats(frame)
+    assert dropped == 1 and list(kept["run"]) == ["lr/a", "lr/b"]
+    frame.loc[1, "change"] = 0.06
+    with pytest.raises(ValueError, match="different held-out change"):
+        drop_repeats(frame)
