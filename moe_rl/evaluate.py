@@ -37,7 +37,7 @@ from moe_rl.model import ModelConfig
 from moe_rl.rollout import SamplingConfig
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, load_checkpoint
 from moe_rl.runs.runlog import read_config
-from moe_rl.sweep.overrides import from_dict, parse_assignments, with_overrides
+from moe_rl.sweep.overrides import Assignments, from_dict, parse_assignments, with_overrides
 from moe_rl.tasks import TaskConfig, build_task
 from moe_rl.tasks.gym import HELD_OUT_RESERVE
 
@@ -63,7 +63,7 @@ class EvaluateConfig:
     """Sampled completions per prompt at each temperature, validation and held-out (greedy takes one)."""
     seed: int = 0
     """Seeds the sampler (one generator per measurement, so each number is reproducible on its own)."""
-    set: tuple[str, ...] = ()
+    set: Assignments = ()
     """Overrides of the run's task and sampler, e.g. task.min_terms=7 sampling.max_new_tokens=64."""
     device: Device = "auto"
     """auto, cpu or cuda."""

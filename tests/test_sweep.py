@@ -272,6 +272,19 @@ def test_dry_run_prints_the_plan_and_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_repeated_arg_adds_to_the_others_and_a_key_given_twice_is_refused(tmp_path):
+    """`--arg a=1 --arg b=2` is `--arg a=1 b=2` (a plain tuple option would keep only the last use, silently running
+    a different grid than the command line says)."""
+    out = moe_rl("sweep", "stability", "--dry-run", "--arg", "axes=lr", "--arg", "methods=grpo,grpo+R2", "seeds=1",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "arguments: axes=lr methods=grpo,grpo+R2 seeds=1" in out.stdout and "runs (10): 10 start" in out.stdout
+    assert "swept minibatches: 4\n" in out.stdout  # the lr axis only
+    out = moe_rl("sweep", "stability", "--dry-run", "--arg", "seeds=3", "--arg", "seeds=5", cwd=tmp_path)
+    assert out.returncode == 2 and "--arg gives seeds twice (3 and 5)" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- running ------------------------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from moe_rl.sweep.overrides import Assignments
+
 
 @dataclass
 class SweepConfig:
@@ -14,9 +16,9 @@ class SweepConfig:
 
     experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
     """Name of an experiment in experiments/ (their table: experiments/__init__.py; an unknown name lists them)."""
-    arg: tuple[str, ...] = ()
+    arg: Assignments = ()
     """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
-    set: tuple[str, ...] = ()
+    set: Assignments = ()
     """Overrides for every run, dotted.field=value (optim.lr=3e-4 total_steps=10); sft.<field>=value: warm start.
     A field the experiment sweeps cannot be overridden."""
     sweep_dir: str | None = None
@@ -45,7 +47,7 @@ class SweepConfig:
     """slurm: time limit per job, in minutes; a job that reaches it is requeued and resumes from its checkpoint."""
     array_parallelism: int = 64
     """slurm: jobs of the array running at once."""
-    slurm_param: tuple[str, ...] = ()
+    slurm_param: Assignments = ()
     """slurm: further sbatch parameters, name=value (e.g. account=my-lab qos=high constraint=h100)."""
     wait: bool = False
     """slurm, submitit-local: wait until every job has ended, then print the summary."""

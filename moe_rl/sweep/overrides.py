@@ -15,7 +15,9 @@ import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
+
+import tyro
 
 from moe_rl.errors import ConfigError
 
@@ -165,17 +167,29 @@ def _coerce_dict(value: Any, args: tuple, field: str) -> dict:
     return {coerce(k, key_hint, field): coerce(v, value_hint, field) for k, v in value.items()}
 
 
-def parse_assignments(items: Iterable[str], what: str = "--set") -> dict[str, str]:
-    """["optim.lr=3e-4", "seed=1"] -> {"optim.lr": "3e-4", "seed": "1"}; a malformed item is named. Keys may be
-    spelled as the train flags spell them: "--optim.warmup-steps=5" is "optim.warmup_steps"."""
+Assignments = Annotated[tuple[tuple[str, ...], ...], tyro.conf.UseAppendAction]
+"""A key=value option that may be given several times, each with one or more items (`--arg axes=lr --arg seeds=5`
+is `--arg axes=lr seeds=5`): every use is kept, where a plain tuple option keeps only the last."""
+
+
+def parse_assignments(items: Iterable[str | Iterable[str]], what: str = "--set") -> dict[str, str]:
+    """["optim.lr=3e-4", "seed=1"] -> {"optim.lr": "3e-4", "seed": "1"}; the items of a repeated option
+    (Assignments: one tuple per use) count as one list. A malformed item, or a key given twice, is named. Keys may
+    be spelled as the train flags spell them: "--optim.warmup-steps=5" is "optim.warmup_steps"."""
     parsed: dict[str, str] = {}
-    for item in items:
+    for item in _flat(items):
         key, sep, value = item.partition("=")
         key = key.strip().removeprefix("--").replace("-", "_")
         if not sep or not key:
             raise ConfigError(f"{what} {item!r} must read key=value (e.g. optim.lr=3e-4)")
+        if key in parsed and parsed[key] != value.strip():
+            raise ConfigError(f"{what} gives {key} twice ({parsed[key]} and {value.strip()}); give it once")
         parsed[key] = value.strip()
     return parsed
+
+
+def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:
+    return [item for entry in items for item in ([entry] if isinstance(entry, str) else entry)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
