@@ -17,7 +17,7 @@ staleness with CIs; methods compared at matched per-update KL, so that "more sta
 steps"; and the figure.
 
     moe-rl sweep stability --workers 2                               # CPU: 6 methods x 9 cells x 3 seeds
-    moe-rl sweep stability --arg axes=lr --arg methods=grpo,grpo+R2  # one axis, two methods
+    moe-rl sweep stability --arg axes=lr methods=grpo,grpo+R2        # one axis, two methods
     moe-rl sweep stability --arg n_layers=16                         # the deep arm (its own warm start)
     python -m analysis.stability sweeps/stability --out results/stability \\
         --baseline sweeps/stability/warmstart/<key>/evaluate
