@@ -18,6 +18,7 @@ writes the generic report (analysis.report, with per-run tables) and, beside it:
                                  (T = 1 and greedy change): difference, CI, Holm p, TOST p at MARGIN, verdict
     tables/paired_mdd.csv        per axis and endpoint: the minimum detectable paired difference
     figures/stability_map.png/.pdf
+    figures/change_vs_step.png/.pdf   the lr axis's runs: held-out change against set change and KL per update
     STABILITY.md                 the tables above in words, with the definitions
 
 Definitions (also in docs/analysis.md, "The stability map"):
@@ -48,10 +49,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from analysis.aggregate import summarize
 from analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
-from analysis.style import in_paper_style, new_figure, save
+from analysis.style import group_looks, in_paper_style, new_figure, save
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
 AXES = {"optim.lr": "learning rate", "minibatches": "minibatches per rollout batch"}
@@ -368,6 +370,7 @@ def fig_stability_map(cells: pd.DataFrame):
         block = cells[cells["axis"] == axis]
         table = block.pivot(index="method", columns="value", values="change")
         image = ax.imshow(table.to_numpy(dtype=float), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
+        ax.grid(False)  # the style's grid would cross the cells' labels
         declined = block.pivot(index="method", columns="value", values="n_declined")
         judged = block.pivot(index="method", columns="value", values="n_judged")
         for (i, method), (j, value) in itertools.product(enumerate(table.index), enumerate(table.columns)):
@@ -381,6 +384,39 @@ def fig_stability_map(cells: pd.DataFrame):
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), label="held-out change (last 3 evaluations - start)")
     return fig
+
+
+@in_paper_style
+def fig_change_vs_step(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr"):
+    """The `axis` runs, one point each: held-out change (T = 1) against the run's per-update set change (left) and
+    median per-update KL (right), one look per method. Whether declines follow the routing change or the policy
+    change is read here: at a given KL, a method whose points sit higher is more stable for the same step."""
+    runs = axis_runs(frame, axis, fixed).dropna(subset=["change"])
+    fig, axes = new_figure(1, 2, row_height=2.8)
+    methods = sorted(runs["method"].unique())
+    looks = group_looks(methods)
+    for ax, (column, label) in zip(axes[0], (("set_change", "set change per update"),
+                                            ("kl_median", "median KL per update (nats)"))):
+        for method in methods:
+            points = runs[(runs["method"] == method) & (runs[column] > 0)] if column in runs else runs.iloc[:0]
+            look = looks[method]
+            ax.scatter(points[column], points["change"], s=14, color=look.color, marker=look.marker, label=method)
+        ax.axhline(0.0, color="0.4", linewidth=0.7)
+        if column in runs and (runs[column] > 0).any():
+            _log_axis(ax.xaxis, percent=column == "set_change")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out change, T = 1")
+    axes[0][0].legend(loc="best")
+    return fig
+
+
+def _log_axis(axis, percent: bool) -> None:
+    """A log scale labelled at 1, 2 and 5 of each decade (the runs of one axis often span less than a decade, where
+    the default labels none or overlapping minor ones), in percent or plain numbers."""
+    axis.axes.set_xscale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%" if percent else f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
@@ -472,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         table.to_csv(out / "tables" / f"{name}.csv", index=False)
     if len(cells):  # no axis has two values yet (a sweep's first runs)
         save(fig_stability_map(cells), out / "figures", "stability_map")
+    if "optim.lr" in swept_axes(frame, fixed):
+        save(fig_change_vs_step(frame, fixed), out / "figures", "change_vs_step")
     (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd),
                                              encoding="utf-8")
     print(f"analysis.stability: {len(frame)} runs ({repeats} repeats of a shared cell dropped), {len(cells)} cells, "

@@ -224,3 +224,15 @@ def test_the_shared_cell_of_two_sweeps_counts_once_and_a_differing_repeat_is_ref
     frame.loc[1, "change"] = 0.06
     with pytest.raises(ValueError, match="different held-out change"):
         drop_repeats(frame)
+
+
+def test_the_change_against_step_figure_has_a_point_per_run_on_both_panels():
+    from analysis.stability import fig_change_vs_step
+
+    per_run, per_eval = _synthetic({"grpo native": 1.0, "grpo R2": 0.25}, seeds=2)
+    per_run["set_change"] = per_run["kl_median"] * 10
+    fig = fig_change_vs_step(with_methods(per_run, per_eval), FIXED)
+    panels = [ax for ax in fig.axes if ax.collections]
+    assert len(panels) == 2
+    for ax in panels:  # 2 methods x 5 lrs x 2 seeds
+        assert sum(len(c.get_offsets()) for c in ax.collections) == 20 and ax.get_xscale() == "log"
