@@ -318,6 +318,26 @@ def test_a_failing_run_does_not_stop_the_others_and_a_rerun_retries_only_it(tmp_
     assert len(metric_lines(run_dirs[2])) == 2 * 4
 
 
+def test_only_selects_runs_by_their_swept_values_and_leaves_the_others_for_later(tmp_path, capsys):
+    grid = product(axis("optim.lr", (1e-3, 2e-4)), [{"seed": 0}, {"seed": 1}])
+    plan = plan_sweep(experiment(grid), tmp_path / "s")
+    names = [r.name for r in plan.runs]
+    assert plan.selected({}) is None
+    assert plan.selected({"optim.lr": "2e-4"}) == {n for n in names if "lr=2e-4" in n}  # 2e-4 is 0.0002
+    assert plan.selected({"optim.lr": "1e-3,2e-4", "seed": "1"}) == {n for n in names if n.endswith("seed=1")}
+    with pytest.raises(ConfigError, match="--only optim.lr=3e-4: the grid's values are 1e-3, 2e-4"):
+        plan.selected({"optim.lr": "3e-4"})
+    with pytest.raises(ConfigError, match="--only lr: not a swept field; swept: optim.lr, seed"):
+        plan.selected({"lr": "1e-3"})
+    chosen = plan.selected({"seed": "1"})
+    print_plan(plan, existing=False, selected=chosen)
+    assert "runs (4): 2 start, 2 later" in capsys.readouterr().out
+    index = run_local(plan, workers=1, echo=lambda _: None, selected=chosen)
+    ran = {name for name, status in zip(index["name"], index["status"]) if status == "finished"}
+    assert ran == chosen
+    assert [planned_action(r)[0] for r in plan.runs if r.name not in chosen] == ["start", "start"]
+
+
 def test_a_free_worker_takes_warm_starts_then_ready_runs_costliest_first():
     from moe_rl.sweep.jobs import Job, _next_job
 

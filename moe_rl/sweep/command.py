@@ -47,7 +47,7 @@ from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
 from moe_rl.sweep.overrides import coerce, get_field, parse_assignments, with_overrides
 from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
-from moe_rl.sweep.sweepdir import (INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo,
+from moe_rl.sweep.sweepdir import (INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo, warmstart_done,
                                   with_stored_warm_starts)
 
 
@@ -180,13 +180,14 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
                       parse_assignments(cfg.set))
     check_out_dir(plan.sweep_dir, "--sweep-dir")
     plan = with_stored_warm_starts(plan)  # a sweep stored by an older moe-rl keeps its warm start folders
-    print_plan(plan, check_same_grid(plan), cfg.retry_diverged)
+    selected = plan.selected(parse_assignments(cfg.only, "--only"))
+    print_plan(plan, check_same_grid(plan), cfg.retry_diverged, selected)
     if cfg.dry_run:
         print("dry run: nothing was run or written")
         return
     if cfg.executor == "local":
         try:
-            index = run_local(plan, cfg.workers, cfg.retry_diverged, threads=cfg.threads)
+            index = run_local(plan, cfg.workers, cfg.retry_diverged, threads=cfg.threads, selected=selected)
         except KeyboardInterrupt as err:  # the workers were told too, and stopped at a checkpoint
             print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
                   file=sys.stderr)
@@ -200,7 +201,7 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
 
         executor = make_executor(cfg, plan.sweep_dir)
         jobs = submit(plan, executor, threads=cfg.cpus_per_job if cfg.executor == "slurm" else None,
-                      retry_diverged=cfg.retry_diverged)
+                      retry_diverged=cfg.retry_diverged, selected=selected)
         if not cfg.wait:
             print(f"submitted {len(jobs)} jobs; index.csv is updated as they end, and `{plan.command()} --dry-run` "
                   "shows where each run stands")
@@ -212,7 +213,8 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         raise SystemExit(1)
 
 
-def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False) -> None:
+def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False,
+               selected: set[str] | None = None) -> None:
     print(f"sweep {plan.experiment!r} -> {plan.sweep_dir} ({'continuing' if existing else 'new'})")
     if plan.arguments:
         print("  arguments: " + " ".join(f"{k}={v}" for k, v in plan.arguments.items()))
@@ -220,13 +222,18 @@ def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False) ->
         print("  overrides: " + " ".join(f"{k}={v}" for k, v in plan.overrides.items()))
     for key, values in plan.swept().items():
         print(f"  swept {key}: {', '.join(format_value(v) for v in values)}")
-    keys, _ = todo(plan, retry_diverged)
+    keys, _ = todo(plan, retry_diverged, selected)
     if plan.warmstarts:
         print(f"  warm starts ({len(plan.warmstarts)}):")
         for key in plan.warmstarts:
-            print(f"    {'start' if key in keys else 'done':<8} {key}")
+            done = warmstart_done(Path(plan.warmstarts[key].out_dir))
+            print(f"    {'start' if key in keys else 'done' if done else 'later':<8} {key}")
     actions = [(run, *planned_action(run, retry_diverged)) for run in plan.runs]
-    tally = {a: sum(1 for _, b, _ in actions if b == a) for a in ("start", "resume", "restart", "skip", "busy")}
+    if selected is not None:  # --only: what this invocation would run but leaves for another
+        actions = [(run, "later", "not in --only") if action in ("start", "resume", "restart")
+                   and run.name not in selected else (run, action, why) for run, action, why in actions]
+    tally = {a: sum(1 for _, b, _ in actions if b == a)
+             for a in ("start", "resume", "restart", "skip", "busy", "later")}
     print(f"  runs ({len(plan.runs)}): " + ", ".join(f"{n} {a}" for a, n in tally.items() if n))
     width = max(len(run.name) for run in plan.runs)
     for run, action, why in actions:

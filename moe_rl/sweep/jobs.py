@@ -125,10 +125,11 @@ def _warmstart_job(data: Mapping, key: str, threads: int | None) -> dict[str, An
 
 
 def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
-              echo: Callable[[str], None] = print, threads: int = 1) -> pd.DataFrame:
+              echo: Callable[[str], None] = print, threads: int = 1,
+              selected: set[str] | None = None) -> pd.DataFrame:
     """Run the sweep here, `workers` jobs at a time, each in its own subprocess with `threads` torch threads (1 by
     default: the CPU kernels serve one thread, and one is fastest at these model sizes; README "Threads"). Returns
-    the index.
+    the index. `selected` (SweepPlan.selected): run only these of the runs to do; the others stay as they are.
 
     Order: a free worker takes a waiting warm start if there is one, else a run whose warm start has ended, so runs
     of a finished architecture start while other warm starts still train; among those it takes the costliest first
@@ -142,7 +143,7 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
         store_plan(plan)
         if retry_diverged:
             clear_diverged(plan)
-        keys, names = todo(plan)
+        keys, names = todo(plan, selected=selected)
         runs = {run.name: run for run in plan.runs}
         jobs = [Job("warmstart", key, None, job_cost(plan.warmstarts[key])) for key in keys]
         jobs += [Job("run", name, runs[name].warmstart, job_cost(runs[name].config)) for name in names]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.errors import ConfigError
 from moe_rl.runs.runlog import config_to_dict
+from moe_rl.sweep.grid import format_value
 
 # Config fields the sweep sets itself (paths) or that change no result (threads, quiet): left out of the grid hash.
 VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads", "quiet", "print_every", "wandb", "trackers")
@@ -52,6 +55,26 @@ class SweepPlan:
         if "seed" in values:
             values["seed"] = values.pop("seed")  # last, as in run names
         return values
+
+    def selected(self, only: Mapping[str, str]) -> set[str] | None:
+        """Names of the runs whose point takes, for every key of `only`, one of its comma-separated values (numbers
+        compare as numbers: 2e-4 is 0.0002); None when `only` is empty (every run). A key the grid does not sweep,
+        or a value it never takes, is refused by name, so a typo does not silently select nothing."""
+        if not only:
+            return None
+        swept = self.swept()
+        chosen = {}
+        for key, text in only.items():
+            if key not in swept:
+                raise ConfigError(f"--only {key}: not a swept field; swept: {', '.join(swept)}")
+            wanted = [v.strip() for v in text.split(",") if v.strip()]
+            unknown = [v for v in wanted if not any(_same_value(v, taken) for taken in swept[key])]
+            if unknown or not wanted:
+                raise ConfigError(f"--only {key}={text}: the grid's values are "
+                                  f"{', '.join(format_value(v) for v in swept[key])}")
+            chosen[key] = wanted
+        return {run.name for run in self.runs
+                if all(any(_same_value(v, run.point.get(key)) for v in wanted) for key, wanted in chosen.items())}
 
     def command(self) -> str:
         """The `moe-rl sweep` command line that makes this plan again."""
@@ -101,3 +124,13 @@ def stable_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(stable.get(group), Mapping):
             stable[group] = {k: v for k, v in stable[group].items() if k != name}
     return stable
+
+
+def _same_value(text: str, value: Any) -> bool:
+    """Whether the command-line `text` names the grid value `value`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return text == format_value(value) or text == str(value)
+    try:
+        return math.isclose(float(text), float(value), rel_tol=1e-9, abs_tol=0.0)
+    except ValueError:
+        return False

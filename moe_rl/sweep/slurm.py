@@ -84,16 +84,16 @@ def is_slurm(executor: submitit.Executor) -> bool:
 
 
 def submit(plan: SweepPlan, executor: submitit.Executor, threads: int | None = None,
-           retry_diverged: bool = False) -> list[submitit.Job]:
+           retry_diverged: bool = False, selected: set[str] | None = None) -> list[submitit.Job]:
     """Store the plan, submit the warm starts that are missing, then one job per run to do (an array on SLURM).
 
     Runs whose job is already queued or running (by an earlier submission) are left to it. On SLURM the runs depend
     on the warm-start jobs; other executors (local, debug) have no dependencies, so this waits for the warm starts.
-    Returns the run jobs."""
+    `selected` (SweepPlan.selected): submit only these of the runs to do. Returns the run jobs."""
     store_plan(plan)
     if retry_diverged:
         clear_diverged(plan)
-    keys, names = todo(plan)
+    keys, names = todo(plan, selected=selected)
     names = [n for n in names if _not_in_flight(plan, "run", n)]
     keys = [k for k in keys if _not_in_flight(plan, "warmstart", k)]
     warm_jobs = _submit_batch(plan, executor, "warmstart", keys, threads)

@@ -271,9 +271,12 @@ def file_lock(path: Path, blocking: bool = True) -> Iterator[None]:
 # What this invocation runs
 
 
-def todo(plan: SweepPlan, retry_diverged: bool = False) -> tuple[list[str], list[str]]:
-    """(warm starts to run, runs to run), in plan order: the runs not skipped and the warm starts they still need."""
-    runs = [r for r in plan.runs if planned_action(r, retry_diverged)[0] not in ("skip", "busy")]
+def todo(plan: SweepPlan, retry_diverged: bool = False, selected: set[str] | None = None) \
+        -> tuple[list[str], list[str]]:
+    """(warm starts to run, runs to run), in plan order: the runs not skipped (and, given `selected`, among those
+    names: `moe-rl sweep --only`) and the warm starts they still need."""
+    runs = [r for r in plan.runs if planned_action(r, retry_diverged)[0] not in ("skip", "busy")
+            and (selected is None or r.name in selected)]
     keys = list(dict.fromkeys(r.warmstart for r in runs if r.warmstart))
     keys = [k for k in keys if not warmstart_done(Path(plan.warmstarts[k].out_dir))]
     return keys, [r.name for r in runs]
