@@ -420,7 +420,10 @@ def _log_axis(axis, percent: bool) -> None:
 
 
 def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
-                       paired: pd.DataFrame | None = None, mdd: pd.DataFrame | None = None) -> str:
+                       paired: pd.DataFrame | None = None, mdd: pd.DataFrame | None = None,
+                       confirm: tuple[list[int], pd.DataFrame, pd.DataFrame] | None = None) -> str:
+    """The map in words. `confirm`: (seeds, their paired table, their MDD), the confirmatory comparisons of a
+    protocol that kept the seeds which suggested a hypothesis out of its test, written after the full table."""
     fixed_text = ", ".join(f"`{k}` = {v:g}" for k, v in fixed.items())
     lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
              "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
@@ -439,6 +442,8 @@ def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.
                      f"[{r.ci_low:.3g}, {r.ci_high:.3g}] |")
     if paired is not None and len(paired):
         lines += _paired_markdown(paired, mdd)
+    if confirm is not None and len(confirm[1]):
+        lines += _paired_markdown(confirm[1], confirm[2], f"; confirmatory: seeds {', '.join(map(str, confirm[0]))}")
     lines += ["", f"## At matched per-update KL (learning-rate axis; differences from {REFERENCE}, paired over seeds)",
               "", "| KL per update | method | seeds | change [95% CI] | minus reference [95% CI] | p (Holm) |",
               "|---|---|---|---|---|---|"]
@@ -449,8 +454,8 @@ def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.
     return "\n".join(lines) + "\n"
 
 
-def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None) -> list[str]:
-    lines = ["", f"## Each method against {REFERENCE}, cell by cell (paired by seed)", "",
+def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None, which: str = "") -> list[str]:
+    lines = ["", f"## Each method against {REFERENCE}, cell by cell (paired by seed{which})", "",
              f"Paired t; Holm across the pairs of one axis and endpoint; TOST at +-{MARGIN:g} (the margin fixed in "
              "results/stability/PROTOCOL.md), Holm-adjusted the same way. verdict: better / worse (Holm p < 0.05), "
              "equivalent (TOST Holm p < 0.05), undecided. rescue: the reference's change has a CI below 0 there and "
@@ -491,6 +496,9 @@ def main(argv: list[str] | None = None) -> None:
                         "staleness sweep: their shared cell's repeats are dropped)")
     parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
     parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
+    parser.add_argument("--confirm-seeds", default=None, help="comma-separated seeds for a second, confirmatory "
+                        "paired table (tables/paired_cells_confirm.csv): the seeds that did not suggest the "
+                        "hypothesis under test (results/stability/PROTOCOL.md)")
     parser.add_argument("--fixed-lr", type=float, default=FIXED_LR, help="the learning rate of the staleness axis")
     parser.add_argument("--fixed-minibatches", type=int, default=FIXED_MINIBATCHES,
                         help="the minibatches per rollout batch of the learning-rate axis")
@@ -504,13 +512,19 @@ def main(argv: list[str] | None = None) -> None:
     matched, paired, mdd = kl_matched(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
     tables = (("stability_cells", cells), ("critical", critical), ("kl_matched", matched), ("paired_cells", paired),
               ("paired_mdd", mdd))
+    confirm = None
+    if args.confirm_seeds:
+        seeds = [int(v) for v in args.confirm_seeds.split(",") if v.strip()]
+        chosen = frame[frame["seed"].isin(seeds)]
+        confirm = (seeds, paired_cells(chosen, fixed), paired_mdd(chosen, fixed))
+        tables += (("paired_cells_confirm", confirm[1]), ("paired_mdd_confirm", confirm[2]))
     for name, table in tables:
         table.to_csv(out / "tables" / f"{name}.csv", index=False)
     if len(cells):  # no axis has two values yet (a sweep's first runs)
         save(fig_stability_map(cells), out / "figures", "stability_map")
     if "optim.lr" in swept_axes(frame, fixed):
         save(fig_change_vs_step(frame, fixed), out / "figures", "change_vs_step")
-    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd),
+    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm),
                                              encoding="utf-8")
     print(f"analysis.stability: {len(frame)} runs ({repeats} repeats of a shared cell dropped), {len(cells)} cells, "
           f"{len(critical)} critical values -> {out}/STABILITY.md")

@@ -236,3 +236,19 @@ def test_the_change_against_step_figure_has_a_point_per_run_on_both_panels():
     assert len(panels) == 2
     for ax in panels:  # 2 methods x 5 lrs x 2 seeds
         assert sum(len(c.get_offsets()) for c in ax.collections) == 20 and ax.get_xscale() == "log"
+
+
+def test_the_confirmatory_table_uses_only_the_given_seeds():
+    from analysis.stability import paired_cells, paired_mdd
+
+    frame = _paired_frame()
+    frame["declined"], frame["kl_median"] = 0.0, 1e-3
+    later = frame[frame["seed"].isin([1, 2, 3])]
+    confirm = paired_cells(later, FIXED)
+    assert set(confirm["n_pairs"]) == {3}
+    cells = stability_cells(frame, FIXED)
+    text = stability_markdown(cells, critical_values(frame, FIXED), kl_matched(frame, FIXED), FIXED,
+                              paired_cells(frame, FIXED), paired_mdd(frame, FIXED),
+                              ([1, 2, 3], confirm, paired_mdd(later, FIXED)))
+    assert "(paired by seed)" in text and "(paired by seed; confirmatory: seeds 1, 2, 3)" in text
+    assert text.index("confirmatory") > text.index("(paired by seed)")
