@@ -63,14 +63,21 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_runs(root: str | os.PathLike) -> list[Path]:
-    """Run directories at or under `root`, in path order; run directories are not searched further."""
+    """Run directories at or under `root`, in path order; run directories are not searched further. Symbolic links
+    to folders are followed, each real folder once, so that a folder of links reads several sweeps together (an lr
+    sweep and a staleness sweep) without moving them."""
     root = Path(root)
     if not root.is_dir():
         raise NoRunsError(f"{root} is not a directory")
     if is_run_dir(root):
         return [root]
-    found = []
-    for here, folders, _ in os.walk(root):
+    found, seen = [], set()
+    for here, folders, _ in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:  # a second link to a folder already read, or a link that loops
+            folders.clear()
+            continue
+        seen.add(real)
         if is_run_dir(Path(here)):
             found.append(Path(here))
             folders.clear()

@@ -121,6 +121,25 @@ def test_a_diverged_run_loads_with_its_reason_and_its_nan_kept(runs_root):
     assert math.isnan(data.steps.set_index("step").loc[last["step"], "loss/total"])
 
 
+def test_a_folder_of_links_reads_each_linked_sweep_once_even_through_a_loop(tmp_path):
+    from analysis.load import find_runs
+
+    for sweep in ("lr", "staleness"):
+        for name in ("a", "b"):
+            run = tmp_path / "sweeps" / sweep / "runs" / name
+            run.mkdir(parents=True)
+            (run / "config.json").write_text("{}")
+            (run / "manifest.json").write_text("{}")
+    both = tmp_path / "both"
+    both.mkdir()
+    for sweep in ("lr", "staleness"):
+        (both / sweep).symlink_to(tmp_path / "sweeps" / sweep, target_is_directory=True)
+    (both / "again").symlink_to(tmp_path / "sweeps" / "lr", target_is_directory=True)  # the same sweep twice
+    (both / "lr" / "loop").symlink_to(both, target_is_directory=True)  # and a link back up
+    found = [p.relative_to(both).as_posix() for p in find_runs(both)]
+    assert len(found) == 4 and sorted(f.split("/", 1)[1] for f in found) == ["runs/a", "runs/a", "runs/b", "runs/b"]
+
+
 def test_an_empty_folder_and_a_run_without_metrics_give_one_clear_message(tmp_path):
     with pytest.raises(NoRunsError, match="no RL runs under"):
         load_runs(tmp_path)
