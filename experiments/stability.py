@@ -27,14 +27,12 @@ steps"; and the figure.
     python -m analysis.stability sweeps/stability --out results/stability
     moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
 
-CPU, estimated (not yet run). length_generalisation's 30-step runs took 743-807 s each, two at a time on 2 cores:
-about 15 s per rollout step and about 60 s per 1,024-prompt evaluation, so a 15-step run with 4 evaluations took
-about 8 minutes and the map (162 runs) would take about 11 hours. Most of that was the bf16 sampler in torch's
-bf16 kernels. With the engine's products in fp32 arithmetic (moe_rl/model/precision.py, engine_products), one
-rollout's generation in this regime took 3.5 s instead of 10.6 s and one pass of a 1,024-prompt evaluation 4.7-6.3
-s instead of 22-23 s (process time, 2-core AMD EPYC with AVX2). That puts a run near 3 minutes and the map near 4
-hours with --workers 2; time the first runs before planning on it. Run it in several sittings (the sweep resumes),
-one axis or a few methods at a time, and spend extra seeds (`--arg seeds=5`) near each frontier.
+CPU, measured (2026-12-01, the learning-rate axis, 2-core AMD EPYC with AVX2, --workers 2, the bf16 sampler's
+engine products in fp32 arithmetic, moe_rl/model/precision.py): a 15-step run took 111-367 s, about 3 minutes on
+average two at a time (longer while other jobs shared the cores), so the lr axis's 90 runs take about 2.5 hours
+and the whole map (162 runs) about 4.5. Run it in several sittings (the sweep resumes), one axis or a few methods
+at a time; spend extra seeds near each frontier with `--only` (and `--arg seeds=5` in a sweep folder of its own:
+a different grid), as results/stability/PROTOCOL.md did for lr 4e-4.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
