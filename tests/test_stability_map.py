@@ -252,3 +252,23 @@ def test_the_confirmatory_table_uses_only_the_given_seeds():
                               ([1, 2, 3], confirm, paired_mdd(later, FIXED)))
     assert "(paired by seed)" in text and "(paired by seed; confirmatory: seeds 1, 2, 3)" in text
     assert text.index("confirmatory") > text.index("(paired by seed)")
+
+
+def test_the_committed_map_is_recomputed_from_its_per_run_tables():
+    """results/stability: the cells and the paired table follow from the committed per-run rows alone."""
+    from pathlib import Path
+
+    from analysis.stability import drop_repeats, paired_cells, with_configs
+
+    tables = Path(__file__).resolve().parents[1] / "results" / "stability" / "tables"
+    per_run = with_configs(pd.read_csv(tables / "per_run_final.csv"), pd.read_csv(tables / "runs.csv"))
+    frame, _ = drop_repeats(with_methods(per_run, pd.read_csv(tables / "per_run_eval.csv")))
+    committed = pd.read_csv(tables / "stability_cells.csv")
+    again = stability_cells(frame, FIXED)
+    assert len(again) == len(committed) == 30
+    for column in ("n_seeds", "change", "change_ci_low", "greedy_change", "n_declined", "kl_median", "set_change"):
+        np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   equal_nan=True, err_msg=column)
+    paired = paired_cells(frame, FIXED)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
