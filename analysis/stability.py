@@ -54,6 +54,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from analysis.aggregate import summarize
 from analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from analysis.style import group_looks, in_paper_style, new_figure, save
+from moe_rl.errors import DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
 AXES = {"optim.lr": "learning rate", "minibatches": "minibatches per rollout batch"}
@@ -177,7 +178,7 @@ def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
         again = frame[repeated].set_index(key)["change"]
         differs = ~np.isclose(again.to_numpy(float), kept.loc[again.index].to_numpy(float), equal_nan=True)
         if differs.any():
-            raise ValueError(f"runs repeat a cell with a different held-out change: {list(again.index[differs])}; "
+            raise DataError(f"runs repeat a cell with a different held-out change: {list(again.index[differs])}; "
                              "read one sweep at a time, or check what differs between them")
     return frame[~repeated].reset_index(drop=True), int(repeated.sum())
 

@@ -222,7 +222,9 @@ def test_the_shared_cell_of_two_sweeps_counts_once_and_a_differing_repeat_is_ref
     kept, dropped = drop_repeats(frame)
     assert dropped == 1 and list(kept["run"]) == ["lr/a", "lr/b"]
     frame.loc[1, "change"] = 0.06
-    with pytest.raises(ValueError, match="different held-out change"):
+    from moe_rl.errors import DataError
+
+    with pytest.raises(DataError, match="different held-out change"):  # main() turns it into one line
         drop_repeats(frame)
 
 
