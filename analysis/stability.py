@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from moe_rl.errors import ConfigError, DataError
+    from moe_rl.errors import ConfigError
     from analysis.load import NoRunsError
 
     try:
