@@ -2,7 +2,7 @@
 commit (a few kB per study, where the run directories are hundreds of MB).
 
     per_run_final(data, metrics, last_k)   one row per run: run, group, seed, status, the group keys, the
-                                           warm start (init_from, where the config has one), the cell
+                                           warm start (init_from's warm-start name, where the config has one), the cell
                                            quantities of analysis.cells.run_summary (churn, set_change, ...,
                                            eval_gain) and each metric's final value (analysis.aggregate.run_finals)
     per_run_eval(data)                     one row per (run, evaluation): run, group, seed, step, eval/* metrics
@@ -14,6 +14,7 @@ commit (a few kB per study, where the run directories are hundreds of MB).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePath
 
 import pandas as pd
 
@@ -24,11 +25,24 @@ from analysis.load import RunSet
 RUN_FIELDS = ["run", "group", "seed", "status"]
 
 
+def warm_start_name(init_from):
+    """The warm start a run started from, by its name: the sweep's warm-start key for a checkpoint inside one
+    (`.../warmstart/<key>/checkpoints/latest.pt` -> `<key>`), else the file's name. The path itself names where the
+    sweep folder lay, so two runs from one warm start copied into another sweep would count as two."""
+    if not isinstance(init_from, str) or not init_from:
+        return init_from
+    path = PurePath(init_from)
+    return path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+
+
 def _run_fields(data: RunSet) -> pd.DataFrame:
     # init_from names the warm start: the cluster of a bootstrap over warm starts (analysis.stats).
     keys = [k for k in dict.fromkeys([*data.group_by, *SCALING_KEYS, "init_from"]) if k in data.runs
             and k not in RUN_FIELDS]
-    return data.runs[[*RUN_FIELDS, *keys]]
+    frame = data.runs[[*RUN_FIELDS, *keys]].copy()
+    if "init_from" in frame:
+        frame["init_from"] = frame["init_from"].map(warm_start_name)
+    return frame
 
 
 def per_run_final(data: RunSet, metrics: Sequence[str], last_k: int = 5,

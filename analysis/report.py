@@ -44,7 +44,7 @@ from analysis.comparisons import paired_comparisons
 from analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
 from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.learning import learning_table
-from analysis.per_run import per_run_eval, per_run_final
+from analysis.per_run import per_run_eval, per_run_final, warm_start_name
 from analysis.report_text import (baseline_section, learning_markdown, paired_markdown, scaling_markdown,
                                   skipped_markdown)
 from analysis.scaling import (coefficient_table, extrapolation_table, held_out_check, near_level_cells,
@@ -197,7 +197,7 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
         return {}
     per_run["learns"] = per_run["group"].map(cells.set_index("group")["learns"]).fillna(False).astype(bool)
     if "init_from" in data.runs:
-        per_run["init_from"] = per_run["run"].map(data.runs.set_index("run")["init_from"])
+        per_run["init_from"] = per_run["run"].map(data.runs.set_index("run")["init_from"].map(warm_start_name))
     fit_runs, paper_runs = split_target(per_run)
     if fit_runs["optim.lr"].nunique() < 2:
         return {}

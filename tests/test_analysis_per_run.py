@@ -16,6 +16,7 @@ from scipy import stats
 from analysis.aggregate import add_groups, group_keys, t_ci
 from analysis.comparisons import critical_points, method_keys, paired_comparisons
 from analysis.load import load_runs
+from analysis.per_run import warm_start_name
 from analysis.plots import FIGURES
 from analysis.report import ReportConfig, report
 
@@ -204,3 +205,12 @@ def test_critical_points_per_method_on_a_known_law():
     for method in ("grpo native", "grpo R2"):
         row = table.loc[method]
         assert row["ci_low"] <= row["critical"] <= row["ci_high"] and row["n_seeds"] == 3
+
+
+def test_a_warm_start_is_named_by_its_sweep_key_not_by_where_the_sweep_lay():
+    # The same warm start, copied into a second sweep folder, must be one cluster of the bootstrap over warm starts.
+    here = "sweeps/a/warmstart/L4-E64-K8-D64-1834c7e2/checkpoints/latest.pt"
+    there = "../../../other/sweeps/b/warmstart/L4-E64-K8-D64-1834c7e2/checkpoints/latest.pt"
+    assert warm_start_name(here) == warm_start_name(there) == "L4-E64-K8-D64-1834c7e2"
+    assert warm_start_name("/data/sft_seed3.pt") == "sft_seed3.pt"
+    assert warm_start_name(None) is None
