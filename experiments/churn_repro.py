@@ -56,9 +56,11 @@ LRS = {"cpu": ((5e-5, 1.5e-4), (5e-5, 1.5e-4, 4e-4)), "gpu": ((1e-6, 1e-5, 1e-4)
 LAYERS = {"cpu": ((4, 8), (2, 4, 8)), "gpu": ((12, 24, 48), (12, 24, 48))}
 EXPERTS = {"cpu": (("8/2", "64/8"), ("8/2", "32/4", "64/8")), "gpu": (("64/8", "128/8"), ("64/8", "128/8"))}
 STEPS = {"cpu": 20, "gpu": 100}
-# Cells that separate E from K at the default grid's active width: with 8/2 and 64/8, 64/2 moves E alone (8 -> 64
-# at top-2) and 8/8 K alone (top-2 -> top-8 of 8); 128/8 moves E alone at top-8 (64 -> 128), the paper's (E, K).
-K_CELLS = {"cpu": ("64/2", "8/8", "128/8"), "gpu": ("128/2", "64/2")}
+# Cells that separate E from K at the default grid's active width: with 8/2 and 64/8, 64/2 moves K alone at E = 64
+# (top-8 -> top-2) and E alone at top-2 (8 -> 64); 8/4 moves K alone at E = 8 (top-2 -> top-4); 128/8 moves E alone
+# at top-8 (64 -> 128), the paper's (E, K). Not 8/8: with K = E every token uses every expert, so its expert set
+# never changes and both readings are 0 by definition (docs/design.md section 5).
+K_CELLS = {"cpu": ("64/2", "8/4", "128/8"), "gpu": ("128/2", "64/2")}
 # The paper-shaped depth arm: the GSPO paper's 48 MoE blocks, 128 experts, top-8, at a width CPUs can train.
 PAPER_MODEL = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8, "model.d_model": 64,
                "model.d_expert": 32}
@@ -84,6 +86,9 @@ def _moe(entries: tuple[str, ...], active_width: int) -> list[Point]:
             raise ConfigError(f"experts={entry!r}: write each entry as E/K, e.g. 8/2,64/8") from None
         if top_k < 1 or active_width % top_k:
             raise ConfigError(f"experts={entry!r}: top-k must divide the active expert width {active_width}")
+        if top_k >= experts:
+            raise ConfigError(f"experts={entry!r}: top-k must be below the number of experts; with K >= E every "
+                              "token uses every expert, so no routing can change")
         points.append({"model.n_experts": experts, "model.top_k": top_k, "model.d_expert": active_width // top_k})
     return points
 

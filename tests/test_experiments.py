@@ -124,6 +124,16 @@ def test_churn_repro_grid_has_seeds_per_cell_and_one_warm_start_per_architecture
         plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16-4"})
     with pytest.raises(ConfigError, match="experts='16/3'.*256"):
         plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "16/3"})
+    with pytest.raises(ConfigError, match="experts='8/8'.*below the number of experts"):  # no routing to change
+        plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"experts": "8/8"})
+
+    # E and K apart: K alone at E = 64 and at E = 8, E alone at top-8, at 4 blocks; two warm starts each
+    apart = plan_sweep(get_experiment("churn_repro"), "/tmp/unused", {"k_cells": "true", "warm_starts": "2",
+                                                                      "seeds": "4"})
+    arch = {(r.config.model.n_layers, r.config.model.n_experts, r.config.model.top_k) for r in apart.runs}
+    assert arch == {(4, 8, 2), (4, 64, 8), (8, 64, 8), (4, 64, 2), (4, 8, 4), (4, 128, 8)}
+    assert len(apart.runs) == 6 * 2 * 4 and len(apart.warmstarts) == 6 * 2
+    assert all(r.config.model.top_k * r.config.model.d_expert == 256 for r in apart.runs)
 
 
 def test_churn_repro_fixed_init_holds_the_residual_init_scale_across_depths():
