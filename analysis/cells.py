@@ -28,7 +28,7 @@ READINGS = {"churn": "routing/update/churn", "set_change": "routing/update/set_c
 READING_LABELS = {"churn": "slot churn", "set_change": "set change", "token_any": "tokens changed in any layer"}
 READING_HELP = {"churn": "share of a token's K experts that change", "set_change": "share of (token, layer) "
                 "decisions whose top-K set changed", "token_any": "share of tokens whose path changed anywhere"}
-SCALING_KEYS = ("optim.lr", "model.n_layers", "model.n_experts", "model.top_k")
+SCALING_KEYS = ("optim.lr", "model.n_layers", "model.n_experts", "model.top_k", "model.init_depth")
 KL = "update/kl"
 QUANTITIES = (*READINGS, "kl_median", "eval_start", "eval_final", "eval_gain", "reward_start", "reward_final",
               "reward_gain")

@@ -2,7 +2,7 @@
 
 Model (fit per reading: slot churn and set change), by least squares over runs:
 
-    log(churn) = a + b log(x) + c log(n_layers) + d log(n_experts) + e log(top_k)
+    log(churn) = a + b log(x) + c log(n_layers) + d log(n_experts) + e log(top_k) [+ f log(init_layers)]
 
 x is the driver: the run's median per-update KL (`kl_median`, the default: churn is a response to how far the
 policy moves, whatever lr moved it) or the learning rate. Why a power law: over the swept range each reading
@@ -13,8 +13,10 @@ are bounded by 1, so predictions are capped at 1; near that bound the law overst
 determine (E and K swept together), is left out and its coefficient reported as NaN: the law then says nothing
 about it and an extrapolation along it rests on the others alone (`dropped` says which).
 
-Uncertainty: a bootstrap over runs (runs resampled with replacement, the law refit, N_BOOT times, a fixed
-generator), percentile 95% intervals for every coefficient and every prediction. Runs whose reading or driver is
+Uncertainty: a bootstrap (the law refit N_BOOT times, a fixed generator), percentile 95% intervals for every
+coefficient and every prediction. Over runs (resampled with replacement), or, where every architecture has two or
+more warm starts (`warm_start_cluster`), in two stages: the warm starts of each architecture, then the runs of each
+drawn warm start, so that runs sharing a warm start do not count as independent evidence. Runs whose reading or driver is
 0 or missing cannot enter a log-log fit; `n_excluded` counts them.
 
     per_run = run_summary(data)                 # analysis.cells
@@ -50,6 +52,11 @@ from moe_rl.errors import ConfigError
 FITTED_READINGS = ("churn", "set_change")
 DRIVERS = {"kl": "kl_median", "lr": "optim.lr"}
 ARCHITECTURE = ("model.n_layers", "model.n_experts", "model.top_k")
+INIT_DEPTH = "model.init_depth"  # the depth whose 1/sqrt(2 L) residual init a model took (0: its own)
+# The law's init predictor: the depth of the residual init each run took (init_depth, or its own depth). It
+# equals the depth, and adds no rank, unless some runs held the init fixed (churn_repro fixed_init=true); then the
+# depth exponent is depth's at a fixed init and this one the init's at a fixed depth.
+INIT_LAYERS = "init_layers"
 # The GSPO paper's model (Qwen3-30B-A3B): 48 MoE layers, 128 experts, top-8.
 TARGET = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8}
 PAPER_CHURN = 0.10
@@ -71,28 +78,46 @@ class PowerLaw:
     dropped: list[str] = field(default_factory=list)
 
     def predict(self, settings: dict[str, float]) -> float:
-        """The reading at `settings` (one value per predictor), capped at 1."""
-        log_value = self.intercept + sum(c * math.log(settings[p]) for p, c in zip(self.predictors, self.coef))
+        """The reading at `settings` (one value per predictor; init_layers defaults to the depth), capped at 1."""
+        log_value = self.intercept + sum(c * math.log(_setting(settings, p)) for p, c in zip(self.predictors, self.coef))
         return min(1.0, math.exp(log_value))
 
     def driver_for(self, level: float, settings: dict[str, float]) -> float:
         """The driver value (first predictor) at which the reading reaches `level` at `settings`."""
-        rest = sum(c * math.log(settings[p]) for p, c in zip(self.predictors[1:], self.coef[1:]))
+        rest = sum(c * math.log(_setting(settings, p)) for p, c in zip(self.predictors[1:], self.coef[1:]))
         b = self.coef[0]
         return math.exp((math.log(level) - self.intercept - rest) / b) if b > 0 else float("nan")
 
 
+def _setting(settings: dict[str, float], predictor: str) -> float:
+    if predictor == INIT_LAYERS and INIT_LAYERS not in settings:
+        return settings["model.n_layers"]  # a model with its own depth's init
+    return settings[predictor]
+
+
+def with_init_layers(per_run: pd.DataFrame) -> pd.DataFrame:
+    """per_run with INIT_LAYERS: each run's init_depth where it set one (> 0), else its depth."""
+    depth = pd.to_numeric(per_run["model.n_layers"], errors="coerce")
+    if INIT_DEPTH not in per_run:
+        return per_run.assign(**{INIT_LAYERS: depth})
+    init = pd.to_numeric(per_run[INIT_DEPTH], errors="coerce").fillna(0)
+    return per_run.assign(**{INIT_LAYERS: depth.where(init <= 0, init)})
+
+
 def _usable(per_run: pd.DataFrame, reading: str, driver: str) -> pd.DataFrame:
-    columns = [reading, driver, *ARCHITECTURE]
+    per_run = with_init_layers(per_run)
+    columns = [reading, driver, *ARCHITECTURE, INIT_LAYERS]
     values = per_run[columns].apply(pd.to_numeric, errors="coerce")
     return per_run[(values > 0).all(axis=1) & np.isfinite(values).all(axis=1)]
 
 
 def _design(frame: pd.DataFrame, driver: str) -> tuple[np.ndarray, list[str], list[str]]:
-    """Columns [1, log driver, log depth, log E, log K], keeping only those that add rank (in that order)."""
+    """Columns [1, log driver, log depth, log E, log K, log init_layers], keeping only those that add rank (in
+    that order)."""
     X = np.ones((len(frame), 1))
     kept, dropped = [], []
-    for name in (driver, *ARCHITECTURE):
+    init_held = bool((frame[INIT_LAYERS] != frame["model.n_layers"]).any())  # else the law has no init term at all
+    for name in (driver, *ARCHITECTURE, *([INIT_LAYERS] if init_held else [])):
         column = np.log(frame[name].to_numpy(dtype=float))[:, None]
         candidate = np.hstack([X, column])
         if np.linalg.matrix_rank(candidate, tol=1e-8) > X.shape[1]:
@@ -127,7 +152,8 @@ def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_bo
     """The law refit on `n_boot` resamples (with replacement) of the runs that enter the fit, with the full
     fit's predictors; resamples in which they are no longer of full rank are skipped. `cluster` (a column such
     as `init_from`, the warm start): resample clusters, then runs within them (analysis.stats.cluster_resamples),
-    so that runs sharing a warm start do not count as independent."""
+    so that runs sharing a warm start do not count as independent; the warm starts are drawn within each
+    architecture (`strata`), which every resample keeps as the sweep designed it."""
     full = fit_power_law(per_run, reading, driver)
     frame = _usable(per_run, reading, DRIVERS[driver])
     X = np.column_stack([np.ones(len(frame)), *[np.log(frame[p].to_numpy(dtype=float)) for p in full.predictors]])
@@ -136,7 +162,8 @@ def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_bo
         rng = np.random.default_rng(seed)
         resamples = (rng.integers(0, len(frame), len(frame)) for _ in range(n_boot))
     else:
-        resamples = cluster_resamples(frame[cluster].to_numpy(), n_boot, seed)
+        architecture = frame[[c for c in (*ARCHITECTURE, INIT_DEPTH) if c in frame]].astype(str).agg("/".join, axis=1)
+        resamples = cluster_resamples(frame[cluster].to_numpy(), n_boot, seed, strata=architecture.to_numpy())
     laws = []
     for rows in resamples:
         beta, _, rank, _ = np.linalg.lstsq(X[rows], y[rows], rcond=None)

@@ -218,15 +218,27 @@ def _mdd_in_sds(n: int, alpha: float, power: float) -> float:
 # Cluster bootstrap
 
 
-def cluster_resamples(clusters, n_resamples: int = N_RESAMPLES, seed: int = BOOTSTRAP_SEED):
+def cluster_resamples(clusters, n_resamples: int = N_RESAMPLES, seed: int = BOOTSTRAP_SEED, strata=None):
     """Row indices of two-stage bootstrap resamples: draw the clusters (warm starts) with replacement, then,
-    within each drawn cluster, its rows (runs) with replacement. Yields n_resamples index arrays."""
+    within each drawn cluster, its rows (runs) with replacement. Yields n_resamples index arrays.
+
+    `strata` (one label per row, e.g. the architecture): draw the clusters within each stratum, as many as it has.
+    A designed factor (the architectures a sweep chose) is then in every resample as often as in the data, and only
+    the random one (which warm start each architecture got) varies; drawn across strata instead, a resample can
+    leave an architecture out or count it twice."""
     rng = np.random.default_rng(seed)
     labels = np.asarray(clusters)
-    members = [np.flatnonzero(labels == c) for c in pd.unique(labels)]
+    strata = np.zeros(len(labels), dtype=int) if strata is None else np.asarray(strata)
+    groups = []  # per stratum: its clusters' row indices
+    for stratum in pd.unique(strata):
+        rows = strata == stratum
+        groups.append([np.flatnonzero(rows & (labels == c)) for c in pd.unique(labels[rows])])
     for _ in range(n_resamples):
-        drawn = rng.integers(len(members), size=len(members))
-        yield np.concatenate([members[c][rng.integers(len(members[c]), size=len(members[c]))] for c in drawn])
+        picked = []
+        for members in groups:
+            for c in rng.integers(len(members), size=len(members)):
+                picked.append(members[c][rng.integers(len(members[c]), size=len(members[c]))])
+        yield np.concatenate(picked)
 
 
 def cluster_bootstrap(frame: pd.DataFrame, cluster: str, statistic: Callable[[pd.DataFrame], float],

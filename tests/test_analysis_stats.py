@@ -286,6 +286,43 @@ def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
     assert warm_start_cluster(one_each) is None and warm_start_cluster(runs.drop(columns="init_from")) is None
 
 
+def test_warm_starts_are_drawn_within_each_architecture():
+    from analysis.stats import cluster_resamples
+
+    # 3 architectures: 2, 2 and 1 warm starts of 2 runs each. Stratified, every resample holds each architecture's
+    # number of warm starts and runs; drawn across architectures, some resamples leave one out.
+    arch = np.array(["a"] * 4 + ["b"] * 4 + ["c"] * 2)
+    warm = np.array(["a0", "a0", "a1", "a1", "b0", "b0", "b1", "b1", "c0", "c0"])
+    for rows in cluster_resamples(warm, 200, 0, strata=arch):
+        assert sorted(arch[rows].tolist()) == sorted(arch.tolist())
+        assert all(set(warm[rows][arch[rows] == a]) <= set(warm[arch == a]) for a in "abc")
+    assert any(set(arch[rows]) != {"a", "b", "c"} for rows in cluster_resamples(warm, 200, 0))
+
+
+def test_a_held_init_separates_depth_from_the_residual_init():
+    """Churn that depends on the residual init's depth only (exponent -0.4), not on depth: runs at 4 and 8 blocks
+    with their own init, and 8 blocks with the 4-block init (init_depth 4). The law finds depth 0 and init -0.4;
+    without the held-init runs it would read -0.4 as depth's."""
+    from analysis.scaling import INIT_LAYERS
+
+    rows = []
+    for layers, init_depth in ((4, 0), (8, 0), (8, 4)):
+        for kl in (1e-4, 3e-4, 1e-3):
+            init_layers = init_depth or layers
+            churn = 0.01 * (kl / 1e-3) ** 0.4 * (init_layers / 4) ** -0.4
+            rows.append({"kl_median": kl, "model.n_layers": layers, "model.n_experts": 64, "model.top_k": 8,
+                         "model.init_depth": init_depth, "churn": churn})
+    runs = pd.DataFrame(rows)
+    law = fit_power_law(runs)
+    coef = dict(zip(law.predictors, law.coef))
+    assert coef["model.n_layers"] == pytest.approx(0, abs=1e-9) and coef[INIT_LAYERS] == pytest.approx(-0.4)
+    own = fit_power_law(runs[runs["model.init_depth"] == 0])
+    assert INIT_LAYERS not in own.predictors + own.dropped  # no held init: no init term at all
+    assert dict(zip(own.predictors, own.coef))["model.n_layers"] == pytest.approx(-0.4)
+    assert law.predict({"kl_median": 1e-3, "model.n_layers": 8, "model.n_experts": 64, "model.top_k": 8}) == \
+        pytest.approx(0.01 * 2 ** -0.4)  # a model with its own init: init_layers = its depth
+
+
 def test_set_change_derived_from_slot_churn_respects_its_bound_where_the_direct_fit_breaks_it():
     """The reviewer's case: E and K move together in the runs (8/2 and 64/8), slot churn does not depend on E or K
     at all, and set change is exactly 1 - (1 - c)^K. The direct set-change fit puts the K change into an E exponent
