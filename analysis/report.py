@@ -205,7 +205,7 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
     tables = {"scaling_fit": coefficient_table(fit_runs, cluster=cluster),
               "scaling_extrapolation": extrapolation_table(fit_runs, cluster=cluster),
               "scaling_set_change_check": set_change_check(fit_runs), "near_10pct": near_level_cells(cells)}
-    tables["scaling_fit"]["bootstrap"] = "warm starts, then runs" if cluster else "runs"
+    tables["scaling_fit"]["bootstrap"] = "warm starts within architectures, then runs" if cluster else "runs"
     if len(paper_runs):
         tables["scaling_check"] = held_out_check(fit_runs, paper_runs, cluster=cluster)
     return tables

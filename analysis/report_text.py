@@ -58,9 +58,11 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
         return text
     fit, extra, near = tables["scaling_fit"], tables["scaling_extrapolation"], tables["near_10pct"]
     lines = ["", "## Churn scaling fit", "",
-             "log(reading) = a + b log(median KL per update) + c log(MoE layers) + d log(experts) + e log(top-k), "
+             "log(reading) = a + b log(median KL per update) + c log(MoE layers) + d log(experts) + e log(top-k)"
+             + (" + f log(init layers), init layers the depth whose residual init a run took" if
+                (fit["term"] == "init_layers").any() else "") + ", "
              "least squares over runs; [95% CI] from a bootstrap over "
-             + ("warm starts, then runs within them" if (fit.get("bootstrap", pd.Series(["runs"])) != "runs").any()
+             + ("warm starts within each architecture, then runs within them" if (fit.get("bootstrap", pd.Series(["runs"])) != "runs").any()
                 else "runs (not every architecture has two or more warm starts: the intervals leave out "
                       "warm-start variance)")
              + " (analysis/scaling.py, docs/analysis.md). "
@@ -95,11 +97,15 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
     if "scaling_check" in tables:
         lines += ["", "Check: the paper-shaped runs (same depth, experts and top-k as the target) are held out of the "
                   "fit; their measured reading beside the law's prediction at their own median KL per update:", "",
-                  "| reading | lr | runs | KL per update | measured [CI] | predicted [CI] |", "|---|---|---|---|---|---|"]
+                  "| reading | lr | runs | KL per update | measured [CI] | predicted [CI] | agree |",
+                  "|---|---|---|---|---|---|---|"]
         for _, r in tables["scaling_check"].iterrows():
-            lines.append(f"| {READING_LABELS[r['reading']]} | {r['optim.lr']:g} | {int(r['n_runs'])} | {r['driver']:.3g} | "
+            lines.append(f"| {labels[r['reading']]} | {r['optim.lr']:g} | {int(r['n_runs'])} | {r['driver']:.3g} | "
                          f"{with_ci(r['measured'], r['measured_ci_low'], r['measured_ci_high'], True)} | "
-                         f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} |")
+                         f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} | "
+                         f"{'yes' if r.get('agrees') else '**no**'} |")
+        lines += ["", "agree: the runs' log readings and the log prediction differ by at most the two intervals' "
+                  "half-widths added in quadrature (analysis.scaling.agrees)."]
     n_terms = fit.groupby("reading")["estimate"].apply(lambda e: int(e.notna().sum())).max()
     n_runs = int(fit["n_runs"].min())
     if n_runs < 5 * n_terms:

@@ -294,23 +294,52 @@ def split_target(per_run: pd.DataFrame, target: dict | None = None) -> tuple[pd.
 
 def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str = "kl",
                    readings=FITTED_READINGS, cluster: str | None = None) -> pd.DataFrame:
-    """Per reading and learning rate of the held-out runs: their measured reading (mean and bootstrap CI over
-    runs) beside the law's prediction at their median driver value (with its bootstrap CI)."""
+    """Per reading, architecture and learning rate of the held-out runs: their measured reading (mean and t CI over
+    runs) beside the law's prediction at their median driver value (with its bootstrap CI), and whether the two
+    agree (`agrees`). Readings: those of `readings`, and `set_change_from_churn` (1 - (1 - c)^K from the slot-churn
+    law) where both churn and set_change are among them."""
+    laws = {reading: (fit_power_law(fit_runs, reading, driver), bootstrap_laws(fit_runs, reading, driver,
+                                                                                cluster=cluster))
+            for reading in readings}
+    derived = "churn" in laws and "set_change" in laws
     rows = []
-    for reading in readings:
-        law, boots = (fit_power_law(fit_runs, reading, driver),
-                      bootstrap_laws(fit_runs, reading, driver, cluster=cluster))
-        for lr, runs in held_out.groupby("optim.lr"):
-            settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
-                        **{k: float(runs[k].iloc[0]) for k in ARCHITECTURE}}
-            measured = summarize(runs[reading])
-            predicted = [b.predict(settings) for b in boots]
-            rows.append({"reading": reading, "optim.lr": lr, "n_runs": measured["n"],
-                         "driver": settings[DRIVERS[driver]], "measured": measured["mean"],
-                         "measured_ci_low": measured["ci_low"], "measured_ci_high": measured["ci_high"],
-                         "predicted": law.predict(settings), "predicted_ci_low": _interval(predicted)[0],
-                         "predicted_ci_high": _interval(predicted)[1]})
+    for keys, runs in with_init_layers(held_out).groupby([*ARCHITECTURE, "optim.lr"]):
+        settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
+                    **dict(zip(ARCHITECTURE, map(float, keys[:-1]))), INIT_LAYERS: float(runs[INIT_LAYERS].iloc[0])}
+        for reading in (*readings, *(["set_change_from_churn"] if derived else [])):
+            if reading == "set_change_from_churn":
+                (law, boots), k = laws["churn"], settings["model.top_k"]
+                point, predicted = set_change_from_slot(law.predict(settings), k), [
+                    set_change_from_slot(b.predict(settings), k) for b in boots]
+                values = runs["set_change"]
+            else:
+                law, boots = laws[reading]
+                point, predicted = law.predict(settings), [b.predict(settings) for b in boots]
+                values = runs[reading]
+            measured = summarize(values)
+            low, high = _interval(predicted)
+            rows.append({"reading": reading, **{k.split(".")[-1]: int(v) for k, v in zip(ARCHITECTURE, keys[:-1])},
+                         "optim.lr": keys[-1], "n_runs": measured["n"], "driver": settings[DRIVERS[driver]],
+                         "measured": measured["mean"], "measured_ci_low": measured["ci_low"],
+                         "measured_ci_high": measured["ci_high"], "predicted": point, "predicted_ci_low": low,
+                         "predicted_ci_high": high,
+                         "agrees": agrees(values.dropna(), point, low, high)})
     return pd.DataFrame(rows)
+
+
+def agrees(measured_runs, predicted: float, predicted_low: float, predicted_high: float) -> bool:
+    """Whether the runs' mean reading and a prediction agree, on the log scale: the log of the runs' geometric mean
+    and the log prediction differ by at most 1.96 x sqrt(se_m^2 + se_p^2), se_m the t interval's half-width of the
+    runs' log readings / 1.96 and se_p the prediction's 95% interval's half-width in log units / 1.96 (the
+    pre-registered test of results/churn_paper/PREDICTION.md and results/churn_law/PREDICTION.md). One run has no
+    spread; it is judged by the prediction's interval alone."""
+    logs = np.log(np.asarray([v for v in measured_runs if v > 0], dtype=float))
+    if not len(logs) or not predicted > 0:
+        return False
+    spread = summarize(pd.Series(logs))
+    half_m = (spread["ci_high"] - spread["ci_low"]) / 2 if len(logs) > 1 else 0.0
+    half_p = (math.log(predicted_high) - math.log(predicted_low)) / 2 if predicted_low > 0 else math.inf
+    return bool(abs(logs.mean() - math.log(predicted)) <= math.hypot(half_m, half_p))
 
 
 def near_level_cells(cells: pd.DataFrame, level: float = PAPER_CHURN, factor: float = 2.0) -> pd.DataFrame:

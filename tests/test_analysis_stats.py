@@ -250,6 +250,11 @@ def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
     assert list(check["n_runs"]) == [3, 3]  # per learning rate of the held-out runs
     for r in check.itertuples():
         assert r.predicted_ci_low < r.measured < r.predicted_ci_high
+    assert check["agrees"].all() and (check["top_k"] == 8).all()
+    doubled = held_out_check(fit_runs, held_out.assign(churn=2 * held_out["churn"]), readings=("churn",))
+    assert not doubled["agrees"].any()  # twice the law, well outside both intervals
+    both = held_out_check(fit_runs, held_out)  # with set change, its reading from slot churn too
+    assert set(both["reading"]) == {"churn", "set_change", "set_change_from_churn"}
 
 
 def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
