@@ -38,7 +38,12 @@ several times the default. `paper=true` adds 3 seeds x 2 lrs of a 48-block, 128-
 AMD EPYC with AVX2 (2026-12-01, commit e48d762, other jobs sharing the cores): its warm start took 74 min (800 SFT
 steps at 4.1-5.0 s); a 10-step run (`--arg layers=48 experts=128/8 steps=10`, what results/churn_paper ran) took
 1,757-1,760 s two at a time with other jobs on the cores and 922-937 s two at a time alone. The default grid's runs
-took 255-543 s there (8-block runs the longest). GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
+took 255-543 s there (8-block runs the longest). `k_cells=true warm_starts=2 seeds=4` (results/churn_law) adds 64/2,
+8/4 and 128/8 at 4 blocks and a second warm start for every architecture: 48 runs and 12 warm starts, of which
+the first warm start of each old architecture and 10 of its runs are the default grid's (same keys; re-runs were
+bit-identical). On the same machine (2026-12-01, commit 3998aea, two to four processes sharing the 2 cores): 4-block
+warm starts 250-320 s, the 8-block one 534 s; runs 123-321 s. `fixed_init=true --only model.n_layers=8`: its
+8-block warm start and 6 runs of 416-446 s (one 2,290 s, while the K-cells sweep held both cores). GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
 top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made
 by `make reproduce`.
 """

@@ -214,3 +214,24 @@ def test_a_warm_start_is_named_by_its_sweep_key_not_by_where_the_sweep_lay():
     assert warm_start_name(here) == warm_start_name(there) == "L4-E64-K8-D64-1834c7e2"
     assert warm_start_name("/data/sft_seed3.pt") == "sft_seed3.pt"
     assert warm_start_name(None) is None
+
+
+def test_the_committed_churn_law_is_recomputed_from_its_per_run_table():
+    """results/churn_law/report: the law's coefficients and their intervals (warm starts resampled within each
+    architecture) come out of the committed per-run table again, as does the held-out 48-block check."""
+    from pathlib import Path
+
+    from analysis.scaling import coefficient_table, held_out_check, split_target, warm_start_cluster
+
+    tables = Path(__file__).resolve().parents[1] / "results" / "churn_law" / "report" / "tables"
+    per_run = pd.read_csv(tables / "per_run_final.csv")
+    fit_runs, paper_runs = split_target(per_run)
+    assert len(fit_runs) == 48 and len(paper_runs) == 6
+    cluster = warm_start_cluster(fit_runs)
+    assert cluster == "init_from" and fit_runs.groupby("model.n_experts")["init_from"].nunique().min() >= 2
+    committed = pd.read_csv(tables / "scaling_fit.csv")
+    again = coefficient_table(fit_runs, cluster=cluster)
+    for column in ("estimate", "ci_low", "ci_high"):
+        assert again[column].to_numpy() == pytest.approx(committed[column].to_numpy(), rel=1e-9, nan_ok=True)
+    check = held_out_check(fit_runs, paper_runs, cluster=cluster)
+    assert check["agrees"].tolist() == pd.read_csv(tables / "scaling_check.csv")["agrees"].tolist()
