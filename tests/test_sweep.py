@@ -513,7 +513,8 @@ def test_local_executor_preempted_job_requeues_and_resumes(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_ctrl_c_stops_the_sweep_and_a_rerun_resumes_the_interrupted_runs(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    command = [sys.executable, "-m", "moe_rl.cli", "sweep", "smoke", "--arg", "steps=100", "--sweep-dir", "s",
+    steps = 30  # long enough that Ctrl-C lands mid-run (it is sent at each run's first checkpoint, step 1)
+    command = [sys.executable, "-m", "moe_rl.cli", "sweep", "smoke", "--arg", f"steps={steps}", "--sweep-dir", "s",
                "--workers", "2"]
     # SIGINT back to its default in the driver: a shell that starts this suite in the background ignores SIGINT,
     # and an ignored SIGINT is inherited, so Ctrl-C would never reach the sweep
@@ -537,7 +538,7 @@ def test_ctrl_c_stops_the_sweep_and_a_rerun_resumes_the_interrupted_runs(tmp_pat
     for path in first:
         run_dir = path.parents[1]
         assert read_manifest(run_dir)["status"] == "finished" and len(read_manifest(run_dir)["resumes"]) == 1
-        assert [line["step"] for line in metric_lines(run_dir, minibatch=0)] == list(range(100))
+        assert [line["step"] for line in metric_lines(run_dir, minibatch=0)] == list(range(steps))
 
 
 @pytest.mark.slow
