@@ -3,7 +3,7 @@ does Routing Replay (R2, R3), GSPO or a rollout correction (TIS, IcePop) move th
 
 Two axes, each with the other held fixed (issue "Science 3", item 3), so that a change in the outcome has one cause:
 
-    learning rate      2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4        at 4 minibatches per rollout batch
+    learning rate      2.5e-5 .. 1.6e-3, doubling            at 4 minibatches per rollout batch
     staleness          1, 2, 4, 8, 16 minibatches per batch  at lr 5e-5 (m minibatches: m - 1 of m updates are
                                                              off-policy, the last on data m - 1 updates old)
 
@@ -16,7 +16,7 @@ held-out change with its CI, the decline probability and the per-update KL; per 
 staleness with CIs; methods compared at matched per-update KL, so that "more stable" cannot mean "takes smaller
 steps"; and the figure.
 
-    moe-rl sweep stability --workers 2                               # CPU: 6 methods x 9 cells x 3 seeds
+    moe-rl sweep stability --workers 2                               # CPU: 6 methods x 11 cells x 3 seeds
     moe-rl sweep stability --arg axes=lr methods=grpo,grpo+R2        # one axis, two methods
     moe-rl sweep stability --arg n_layers=16                         # the deep arm (its own warm start)
     python -m analysis.stability sweeps/stability --out results/stability \\
@@ -29,8 +29,8 @@ steps"; and the figure.
 
 CPU, measured (2026-12-01, the learning-rate axis, 2-core AMD EPYC with AVX2, --workers 2, the bf16 sampler's
 engine products in fp32 arithmetic, moe_rl/model/precision.py): a 15-step run took 111-367 s, about 3 minutes on
-average two at a time (longer while other jobs shared the cores), so the lr axis's 90 runs take about 2.5 hours
-and the whole map (162 runs) about 4.5. Run it in several sittings (the sweep resumes), one axis or a few methods
+average two at a time (longer while other jobs shared the cores), so the lr axis's 126 runs take about 3.5 hours
+and the whole map (198 runs) about 5.5. Run it in several sittings (the sweep resumes), one axis or a few methods
 at a time; spend extra seeds near each frontier with `--only` (and `--arg seeds=5` in a sweep folder of its own:
 a different grid), as results/stability/PROTOCOL.md did for lr 4e-4.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
@@ -54,7 +54,7 @@ METHODS = {
     "grpo+TIS": {"routing_mode": "native", **TIS},
     "grpo+IcePop": {"routing_mode": "native", **ICEPOP},
 }
-LRS = (2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4)
+LRS = (2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3)
 MINIBATCHES = (1, 2, 4, 8, 16)
 FIXED_LR, FIXED_MINIBATCHES = 5e-5, 4  # each axis holds the other at these
 AXES = ("both", "lr", "staleness")
