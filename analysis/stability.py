@@ -3,12 +3,15 @@ learning rate at fixed staleness, or the minibatches per rollout batch at a fixe
 accuracy changed, how often it declined, and how far each update moved the policy.
 
     python -m analysis.stability sweeps/stability --out results/stability [--baseline .../evaluate]
+    python -m analysis.stability --pool results/stability/lr_1 results/stability/lr_2 --out results/stability
 
-writes the generic report (analysis.report, with per-run tables) and, beside it:
+The first writes the generic report (analysis.report, with per-run tables) and, beside it, the map below; the
+second makes the map alone from report folders' committed per-run tables (sittings whose sweep folders are gone):
 
     tables/stability_cells.csv   per axis, method and axis value: n_seeds, change (mean, 95% t CI), n_declined,
-                                 decline_prob, greedy_change (mean, CI), kl_median (mean over seeds of each
-                                 run's median update/kl), set_change and churn (routing change per update)
+                                 n_learned, n_judged, decline_prob, greedy_change (mean, CI), kl_median (mean over
+                                 seeds of each run's median update/kl), set_change and churn (routing change per
+                                 update)
     tables/critical.csv          per axis and method: the axis value where the mean change turns negative, with
                                  its 95% CI (analysis.stats.critical_point, t inversion over seeds)
     tables/kl_matched.csv        the learning-rate axis read at matched per-update KL: per method and KL point,
@@ -28,6 +31,9 @@ Definitions (also in docs/analysis.md, "The stability map"):
 - declined: that change is below -2 x its noise floor, sqrt(se_0^2 + mean(se_i^2) / 3), with se the logged
   `eval/reward_se` of each evaluation (binomial over prompts): the measured noise of one evaluation, not a fixed
   fraction of the start. A run with fewer than three evaluations after the start is not judged (NaN).
+- learned: that change is above +2 x the same noise floor. Near a start at the noise floor (the length
+  generalisation regime starts at 0.002-0.009) a collapse to 0 can stay above the decline line; a run that neither
+  learned nor declined did nothing measurable (results/stability/PROTOCOL.md, second sitting).
 - results only: runs still running, failed or interrupted are left out; a diverged run (non-finite loss or
   gradients, docs/metrics.md) declined, with change = 0 - start.
 - critical value: where the seed-mean change crosses zero along the axis (log-linear interpolation), with the
@@ -63,7 +69,8 @@ FLOOR_SIGMAS = 2.0
 REFERENCE = "grpo native"
 RESULT_STATUSES = ("finished", "diverged")  # moe_rl.runs.claim: the ways a run ends as a result
 CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
-                "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low", "greedy_change_ci_high",
+                "n_learned", "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low",
+                "greedy_change_ci_high",
                 "kl_median", "set_change", "churn", "reward_gain"]
 MARGIN = 0.03
 """The equivalence margin of the paired comparisons (held-out accuracy), fixed before the runs in
@@ -100,14 +107,14 @@ ENDPOINTS = {"change": ("eval/reward", "eval/reward_se"), "greedy_change": ("eva
 """Per-run change columns and the evaluation metric (with its standard error) each is read from: sampled at T = 1
 (the primary endpoint) and greedy."""
 ENDPOINT_LABELS = {"change": "T = 1", "greedy_change": "greedy"}
-CHANGE_COLUMNS = ["run", "n_after", "start", "change", "floor", "declined", "greedy_start", "greedy_change",
-                  "greedy_floor", "greedy_declined"]
+CHANGE_COLUMNS = ["run", "n_after", "start", "change", "floor", "declined", "learned", "greedy_start",
+                  "greedy_change", "greedy_floor", "greedy_declined", "greedy_learned"]
 
 
 def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
     """One row per run: run, n_after (evaluations after step 0), then per endpoint of ENDPOINTS (the greedy one's
-    columns prefixed `greedy_`) start, change, floor and declined: NaN where a run has fewer than LAST_EVALUATIONS
-    evaluations of that metric after the start. `per_eval`: analysis.per_run.per_run_eval."""
+    columns prefixed `greedy_`) start, change, floor, declined and learned: NaN where a run has fewer than
+    LAST_EVALUATIONS evaluations of that metric after the start. `per_eval`: analysis.per_run.per_run_eval."""
     rows = []
     for run, evals in per_eval.sort_values("step").groupby("run", sort=False):
         primary = evals.dropna(subset=["eval/reward"]) if "eval/reward" in evals else evals.iloc[:0]
@@ -120,9 +127,9 @@ def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
 
 
 def _endpoint_change(evals: pd.DataFrame, metric: str, se_metric: str) -> dict:
-    """start, change, floor and declined of one run's evaluations of `metric` (see the module docstring); start
-    wherever the run has its step-0 evaluation."""
-    out = {"start": math.nan, "change": math.nan, "floor": math.nan, "declined": math.nan}
+    """start, change, floor, declined and learned of one run's evaluations of `metric` (see the module docstring);
+    start wherever the run has its step-0 evaluation."""
+    out = {"start": math.nan, "change": math.nan, "floor": math.nan, "declined": math.nan, "learned": math.nan}
     if metric not in evals:
         return out
     evals = evals.dropna(subset=[metric])
@@ -135,8 +142,9 @@ def _endpoint_change(evals: pd.DataFrame, metric: str, se_metric: str) -> dict:
     se = evals[se_metric] if se_metric in evals else pd.Series(math.nan, index=evals.index)
     floor = math.sqrt(float(se.loc[start.index[0]]) ** 2 + float((se.loc[last.index] ** 2).mean()) / LAST_EVALUATIONS)
     change = float(last[metric].mean() - start[metric].iloc[0])
-    out.update(change=change, floor=floor,
-               declined=float(change < -FLOOR_SIGMAS * floor) if math.isfinite(floor) else math.nan)
+    judged = math.isfinite(floor)
+    out.update(change=change, floor=floor, declined=float(change < -FLOOR_SIGMAS * floor) if judged else math.nan,
+               learned=float(change > FLOOR_SIGMAS * floor) if judged else math.nan)
     return out
 
 
@@ -152,8 +160,8 @@ def with_configs(per_run: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
     """per_run (analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results only:
     a run still running, failed or interrupted (`status`, where the table has it) is left out. A diverged run is a
-    result: it declined, and its changes are 0 minus its start (a policy with non-finite weights solves nothing),
-    so that an lr which blows a run up counts against the method instead of leaving the cell."""
+    result: it declined (and did not learn), and its changes are 0 minus its start (a policy with non-finite weights
+    solves nothing), so that an lr which blows a run up counts against the method instead of leaving the cell."""
     frame = per_run.copy()
     if "status" in frame:
         frame = frame[frame["status"].isin(RESULT_STATUSES)]
@@ -164,6 +172,7 @@ def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
         for prefix in ("", "greedy_"):
             frame.loc[diverged, prefix + "change"] = -frame.loc[diverged, prefix + "start"]
             frame.loc[diverged, prefix + "declined"] = 1.0
+            frame.loc[diverged, prefix + "learned"] = 0.0
     return frame.reset_index(drop=True)
 
 
@@ -181,6 +190,37 @@ def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
             raise DataError(f"runs repeat a cell with a different held-out change: {list(again.index[differs])}; "
                              "read one sweep at a time, or check what differs between them")
     return frame[~repeated].reset_index(drop=True), int(repeated.sum())
+
+
+PER_RUN_TABLES = ("per_run_final.csv", "per_run_eval.csv", "runs.csv")
+"""The generic report's per-run tables (analysis.report) the map is computed from: what results/ commits."""
+
+
+def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
+    """The map's frame (with_methods: one row per run with its method, axis values, seed and changes) from the
+    per-run tables of one or more report folders, and how many repeats drop_repeats left out. With several folders
+    (sittings of one sweep whose sweep folders are gone, or an lr and a staleness sweep) each run is named
+    `<folder name>/<run>`, so that runs of the same name in two sittings stay apart; a run of the same method, cell
+    and seed in two folders counts once, and only if their held-out changes agree."""
+    names = [Path(folder).name for folder in folders]
+    if len(set(names)) < len(names):
+        raise DataError(f"report folders to pool share a name ({', '.join(names)}): the runs' names would collide")
+    per_run, per_eval = [], []
+    for folder in map(Path, folders):
+        final, evals, runs = (_read_table(folder / "tables" / name) for name in PER_RUN_TABLES)
+        if len(folders) > 1:
+            for table in (final, evals, runs):
+                table["run"] = folder.name + "/" + table["run"].astype(str)
+        per_run.append(with_configs(final, runs))
+        per_eval.append(evals)
+    return drop_repeats(with_methods(pd.concat(per_run, ignore_index=True), pd.concat(per_eval, ignore_index=True)))
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise DataError(f"{path}: no such table (a report folder holds tables/{', tables/'.join(PER_RUN_TABLES)}: "
+                        "moe-rl report or python -m analysis.stability writes them)")
+    return pd.read_csv(path)
 
 
 def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -211,6 +251,7 @@ def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
             rows.append({"axis": axis, "method": method, "value": float(value), "n_seeds": change["n"],
                          "change": change["mean"], "change_ci_low": change["ci_low"],
                          "change_ci_high": change["ci_high"], "n_declined": int(judged.sum()),
+                         "n_learned": int(runs.loc[judged.index, "learned"].sum()) if "learned" in runs else 0,
                          "n_judged": len(judged), "decline_prob": judged.mean() if len(judged) else math.nan,
                          "greedy_change": greedy["mean"], "greedy_change_ci_low": greedy["ci_low"],
                          "greedy_change_ci_high": greedy["ci_high"],
@@ -362,7 +403,7 @@ def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_point
 @in_paper_style
 def fig_stability_map(cells: pd.DataFrame):
     """One heat map per axis: methods x axis values, colour = mean held-out change (diverging around 0), each cell
-    annotated with the change and declined / judged seeds."""
+    annotated with the change and the seeds that learned (L) and declined (D) of those judged."""
     axes_present = [a for a in AXES if a in set(cells["axis"])]
     fig, axes = new_figure(1, len(axes_present), row_height=2.8)
     limit = float(np.nanmax(np.abs(cells["change"]))) if cells["change"].notna().any() else 1.0
@@ -373,12 +414,13 @@ def fig_stability_map(cells: pd.DataFrame):
         image = ax.imshow(table.to_numpy(dtype=float), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
         ax.grid(False)  # the style's grid would cross the cells' labels
         declined = block.pivot(index="method", columns="value", values="n_declined")
+        learned = block.pivot(index="method", columns="value", values="n_learned")
         judged = block.pivot(index="method", columns="value", values="n_judged")
         for (i, method), (j, value) in itertools.product(enumerate(table.index), enumerate(table.columns)):
             change = table.loc[method, value]
             if math.isfinite(change):
-                ax.text(j, i, f"{change:+.2f}\n{int(declined.loc[method, value])}/{int(judged.loc[method, value])}",
-                        ha="center", va="center", fontsize=6)
+                ax.text(j, i, f"{change:+.2f}\nL{int(learned.loc[method, value])} D{int(declined.loc[method, value])}"
+                        f"/{int(judged.loc[method, value])}", ha="center", va="center", fontsize=6)
         ax.set_xticks(range(len(table.columns)), [f"{v:g}" for v in table.columns])
         ax.set_yticks(range(len(table.index)), table.index)
         ax.set_xlabel(AXES[axis])
@@ -422,18 +464,22 @@ def _log_axis(axis, percent: bool) -> None:
 
 def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
                        paired: pd.DataFrame | None = None, mdd: pd.DataFrame | None = None,
-                       confirm: tuple[list[int], pd.DataFrame, pd.DataFrame] | None = None) -> str:
+                       confirm: tuple[list[int], pd.DataFrame, pd.DataFrame] | None = None, sources: str = "") -> str:
     """The map in words. `confirm`: (seeds, their paired table, their MDD), the confirmatory comparisons of a
-    protocol that kept the seeds which suggested a hypothesis out of its test, written after the full table."""
+    protocol that kept the seeds which suggested a hypothesis out of its test, written after the full table.
+    `sources`: a line on which runs the map was made from."""
     fixed_text = ", ".join(f"`{k}` = {v:g}" for k, v in fixed.items())
     lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
              "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
-             "## Cells", "", "| axis | method | value | seeds | held-out change, T = 1 [95% CI] | declined / judged | "
+             *([sources, ""] if sources else []),
+             "## Cells", "", "| axis | method | value | seeds | held-out change, T = 1 [95% CI] | "
+             "learned / declined / judged | "
              "greedy change [95% CI] | median KL per update | set change per update | training reward gain |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in cells.itertuples():
         lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | "
-                     f"{_with_ci(r.change, r.change_ci_low, r.change_ci_high)} | {r.n_declined} / {r.n_judged} | "
+                     f"{_with_ci(r.change, r.change_ci_low, r.change_ci_high)} | "
+                     f"{r.n_learned} / {r.n_declined} / {r.n_judged} | "
                      f"{_with_ci(r.greedy_change, r.greedy_change_ci_low, r.greedy_change_ci_high)} | "
                      f"{r.kl_median:.3g} | {_percent(r.set_change)} | {_with_ci(r.reward_gain, math.nan, math.nan)} |")
     lines += ["", "## Critical values", "", "| axis | method | seeds | where the change turns negative [95% CI] |",
@@ -477,6 +523,19 @@ def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None, which: str 
     return lines
 
 
+def _sources_line(folders: list[Path], frame: pd.DataFrame, repeats: int, out: Path) -> str:
+    """Which report folders' per-run tables the map was made from, with their runs (paths relative to `out`)."""
+    import os
+
+    if len(folders) == 1:
+        return f"Made from the per-run tables of `{os.path.relpath(folders[0], out)}/tables` ({len(frame)} runs)."
+    counts = frame["run"].str.split("/", n=1).str[0].value_counts()
+    parts = [f"`{os.path.relpath(folder, out)}` ({int(counts.get(folder.name, 0))} runs)" for folder in folders]
+    return (f"Made from the per-run tables of {', '.join(parts)}, pooled: each run named `<folder>/<run>`; "
+            f"{repeats} repeat(s) of a method, cell and seed in two folders, with the same held-out change, "
+            "counted once.")
+
+
 def _with_ci(value: float, low: float, high: float) -> str:
     if not math.isfinite(value):
         return ""
@@ -493,8 +552,13 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m analysis.stability", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", help="the stability sweep directory, or a folder holding several (an lr sweep and a "
-                        "staleness sweep: their shared cell's repeats are dropped)")
+    parser.add_argument("runs", nargs="?", default=None,
+                        help="the stability sweep directory, or a folder holding several (an lr sweep and a "
+                        "staleness sweep: their shared cell's repeats are dropped); its generic report goes to --out")
+    parser.add_argument("--pool", nargs="+", default=[], metavar="REPORT",
+                        help="report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, "
+                        "runs.csv: what results/ commits) join the map, e.g. earlier sittings whose sweep folders "
+                        "are gone; without RUNS the map is made from these alone and no generic report is written")
     parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
     parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
     parser.add_argument("--confirm-seeds", default=None, help="comma-separated seeds for a second, confirmatory "
@@ -504,10 +568,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fixed-minibatches", type=int, default=FIXED_MINIBATCHES,
                         help="the minibatches per rollout batch of the learning-rate axis")
     args = parser.parse_args(argv)
-    out = report(ReportConfig(args.runs, out=args.out, baseline=args.baseline, equivalence_margin=MARGIN))
-    # The report's own per-run tables (what results/ commits), so that the map is recomputable from them.
-    per_run = with_configs(pd.read_csv(out / "tables" / "per_run_final.csv"), pd.read_csv(out / "tables" / "runs.csv"))
-    frame, repeats = drop_repeats(with_methods(per_run, pd.read_csv(out / "tables" / "per_run_eval.csv")))
+    if args.runs is None and not args.pool:
+        parser.error("give a sweep directory (RUNS), report folders to pool (--pool), or both")
+    if args.runs is None and args.baseline:
+        parser.error("--baseline belongs to the generic report of RUNS; without RUNS none is written")
+    folders = [Path(folder) for folder in args.pool]
+    if args.runs is not None:
+        folders.insert(0, report(ReportConfig(args.runs, out=args.out, baseline=args.baseline,
+                                              equivalence_margin=MARGIN)))
+    out = Path(args.out)
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    # From the reports' own per-run tables (what results/ commits), so that the map is recomputable from them.
+    frame, repeats = pooled_frame(folders)
     fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
     cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
     matched, paired, mdd = kl_matched(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
@@ -525,10 +597,11 @@ def main(argv: list[str] | None = None) -> None:
         save(fig_stability_map(cells), out / "figures", "stability_map")
     if "optim.lr" in swept_axes(frame, fixed):
         save(fig_change_vs_step(frame, fixed), out / "figures", "change_vs_step")
-    (Path(out) / "STABILITY.md").write_text(stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm),
-                                             encoding="utf-8")
-    print(f"analysis.stability: {len(frame)} runs ({repeats} repeats of a shared cell dropped), {len(cells)} cells, "
-          f"{len(critical)} critical values -> {out}/STABILITY.md")
+    sources = _sources_line(folders, frame, repeats, out)
+    text = stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm, sources)
+    (out / "STABILITY.md").write_text(text, encoding="utf-8")
+    print(f"analysis.stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "
+          f"{len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
 
 
 if __name__ == "__main__":

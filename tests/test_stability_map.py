@@ -256,15 +256,67 @@ def test_the_confirmatory_table_uses_only_the_given_seeds():
     assert text.index("confirmatory") > text.index("(paired by seed)")
 
 
+def test_a_run_learned_when_its_change_clears_twice_the_noise_floor():
+    """From a start of 0.003 (SE 0.0017 at 1,024 prompts): a rise to 0.03 learned; a fall to 0 (change -0.003;
+    the binomial SE of 0 is 0, so the floor is the start's SE) neither learned nor declined: near the noise floor a
+    collapse can hide from the decline rule, and the learned outcome still counts it as a failure to learn."""
+    se = math.sqrt(0.003 * 0.997 / 1024)
+    rows = [("up", s, v, se) for s, v in zip((0, 5, 10, 15), (0.003, 0.03, 0.03, 0.03))]
+    rows += [("flat", s, v, se if v else 0.0) for s, v in zip((0, 5, 10, 15), (0.003, 0.0, 0.0, 0.0))]
+    changes = run_changes(pd.DataFrame(rows, columns=["run", "step", "eval/reward", "eval/reward_se"]))
+    changes = changes.set_index("run")
+    assert changes.loc["up", "learned"] == 1.0 and changes.loc["up", "declined"] == 0.0
+    assert changes.loc["flat", "floor"] == pytest.approx(se)
+    assert changes.loc["flat", "learned"] == 0.0 and changes.loc["flat", "declined"] == 0.0
+
+
+def _report_folder(root, name: str, runs: list[tuple[str, int, float]]):
+    """A report folder holding the three per-run tables: per run (name, seed, final held-out), native GRPO at lr
+    4e-4 and 4 minibatches, evaluations 0.1 then three times the final value."""
+    tables = root / name / "tables"
+    tables.mkdir(parents=True)
+    pd.DataFrame({"run": [r for r, _, _ in runs], "seed": [s for _, s, _ in runs], "status": "finished"}).to_csv(
+        tables / "per_run_final.csv", index=False)
+    pd.DataFrame({"run": [r for r, _, _ in runs], "objective.name": "grpo", "routing_mode": "native",
+                  "optim.lr": 4e-4, "minibatches": 4}).to_csv(tables / "runs.csv", index=False)
+    evals = [(r, step, 0.1 if step == 0 else final, 0.01) for r, _, final in runs for step in (0, 5, 10, 15)]
+    pd.DataFrame(evals, columns=["run", "step", "eval/reward", "eval/reward_se"]).to_csv(tables / "per_run_eval.csv",
+                                                                                        index=False)
+    return root / name
+
+
+def test_sittings_pool_by_folder_a_repeat_counts_once_and_a_differing_one_is_refused(tmp_path):
+    from analysis.stability import pooled_frame
+    from moe_rl.errors import DataError
+
+    first = _report_folder(tmp_path, "lr_1", [("runs/a", 0, 0.2), ("runs/b", 1, 0.3)])
+    second = _report_folder(tmp_path, "lr_2", [("runs/a", 0, 0.2), ("runs/c", 2, 0.0)])  # seed 0 again, same value
+    frame, repeats = pooled_frame([first, second])
+    assert repeats == 1 and sorted(frame["run"]) == ["lr_1/runs/a", "lr_1/runs/b", "lr_2/runs/c"]
+    assert frame.set_index("run")["change"].to_dict() == pytest.approx(
+        {"lr_1/runs/a": 0.1, "lr_1/runs/b": 0.2, "lr_2/runs/c": -0.1})
+    alone, none = pooled_frame([first])  # one folder: the report's own run names
+    assert none == 0 and sorted(alone["run"]) == ["runs/a", "runs/b"]
+    other = _report_folder(tmp_path / "x", "lr_2", [("runs/a", 0, 0.25)])
+    with pytest.raises(DataError, match="different held-out change"):
+        pooled_frame([first, other])
+    with pytest.raises(DataError, match="share a name"):
+        pooled_frame([second, other])
+    (first / "tables" / "runs.csv").unlink()
+    with pytest.raises(DataError, match="runs.csv: no such table"):
+        pooled_frame([first])
+
+
 def test_the_committed_map_is_recomputed_from_its_per_run_tables():
-    """results/stability: the cells and the paired table follow from the committed per-run rows alone."""
+    """results/stability/lr_1 (the first sitting's report): the cells and the paired table follow from its
+    committed per-run rows alone."""
     from pathlib import Path
 
-    from analysis.stability import drop_repeats, paired_cells, with_configs
+    from analysis.stability import paired_cells, pooled_frame
 
-    tables = Path(__file__).resolve().parents[1] / "results" / "stability" / "tables"
-    per_run = with_configs(pd.read_csv(tables / "per_run_final.csv"), pd.read_csv(tables / "runs.csv"))
-    frame, _ = drop_repeats(with_methods(per_run, pd.read_csv(tables / "per_run_eval.csv")))
+    folder = Path(__file__).resolve().parents[1] / "results" / "stability" / "lr_1"
+    tables = folder / "tables"
+    frame, _ = pooled_frame([folder])
     committed = pd.read_csv(tables / "stability_cells.csv")
     again = stability_cells(frame, FIXED)
     assert len(again) == len(committed) == 30
