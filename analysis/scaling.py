@@ -173,9 +173,15 @@ def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_bo
     return laws
 
 
-def _interval(values) -> tuple[float, float]:
+def percentile_interval(values) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the finite values (a bootstrap's 95% interval); NaNs if none is finite."""
     x = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
     return (float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))) if len(x) else (math.nan, math.nan)
+
+
+def _ci_columns(name: str, samples) -> dict:
+    low, high = percentile_interval(samples)
+    return {f"{name}_ci_low": low, f"{name}_ci_high": high}
 
 
 def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED_READINGS,
@@ -189,7 +195,7 @@ def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED
         terms += [(p, c, [b.coef[i] for b in boots]) for i, (p, c) in enumerate(zip(law.predictors, law.coef))]
         terms += [(p, math.nan, []) for p in law.dropped]
         for term, estimate, samples in terms:
-            low, high = _interval(samples)
+            low, high = percentile_interval(samples)
             rows.append({"reading": reading, "term": term, "estimate": estimate, "ci_low": low, "ci_high": high,
                          "r2": law.r2, "n_runs": law.n, "n_excluded": law.n_excluded, "n_boot": len(boots)})
     return pd.DataFrame(rows)
@@ -218,9 +224,8 @@ def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict 
         needed = [b.driver_for(level, settings) for b in boots]
         rows.append({"reading": reading, "driver": DRIVERS[driver], "driver_ref": ref,
                      **{k.split(".")[-1]: v for k, v in target.items()},
-                     "predicted": law.predict(settings), "predicted_ci_low": _interval(predicted)[0],
-                     "predicted_ci_high": _interval(predicted)[1], f"driver_for_{level:g}": law.driver_for(level, settings),
-                     "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
+                     "predicted": law.predict(settings), **_ci_columns("predicted", predicted),
+                     f"driver_for_{level:g}": law.driver_for(level, settings), **_ci_columns("driver_for", needed),
                      "dropped": ",".join(law.dropped)})
     if "churn" in readings and "set_change" in readings:
         settings = {DRIVERS[driver]: ref, **target}
@@ -253,9 +258,9 @@ def derived_set_change_row(per_run: pd.DataFrame, settings: dict, driver: str, l
     predicted = [set_change_from_slot(b.predict(settings), k) for b in boots]
     needed = [b.driver_for(slot_for_set_change(level, k), settings) for b in boots]
     return {"reading": "set_change_from_churn", "predicted": set_change_from_slot(law.predict(settings), k),
-            "predicted_ci_low": _interval(predicted)[0], "predicted_ci_high": _interval(predicted)[1],
+            **_ci_columns("predicted", predicted),
             f"driver_for_{level:g}": law.driver_for(slot_for_set_change(level, k), settings),
-            "driver_for_ci_low": _interval(needed)[0], "driver_for_ci_high": _interval(needed)[1],
+            **_ci_columns("driver_for", needed),
             "dropped": ",".join(law.dropped)}
 
 
@@ -317,7 +322,7 @@ def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str =
                 point, predicted = law.predict(settings), [b.predict(settings) for b in boots]
                 values = runs[reading]
             measured = summarize(values)
-            low, high = _interval(predicted)
+            low, high = percentile_interval(predicted)
             rows.append({"reading": reading, **{k.split(".")[-1]: int(v) for k, v in zip(ARCHITECTURE, keys[:-1])},
                          "optim.lr": keys[-1], "n_runs": measured["n"], "driver": settings[DRIVERS[driver]],
                          "measured": measured["mean"], "measured_ci_low": measured["ci_low"],

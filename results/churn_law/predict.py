@@ -15,7 +15,7 @@ import sys
 
 import pandas as pd
 
-from analysis.scaling import _interval, bootstrap_laws, fit_power_law, held_out_check, set_change_from_slot
+from analysis.scaling import percentile_interval, bootstrap_laws, fit_power_law, held_out_check, set_change_from_slot
 
 LAW_RUNS = "results/churn_repro/tables/per_run_final.csv"
 NEW_RUNS = "results/churn_law/report/tables/per_run_final.csv"
@@ -30,11 +30,11 @@ def prediction(runs: pd.DataFrame) -> None:
     for layers, experts, top_k in K_CELLS:
         for kl in KLS:
             settings = {"kl_median": kl, "model.n_layers": layers, "model.n_experts": experts, "model.top_k": top_k}
-            slot, slot_ci = law.predict(settings), _interval([b.predict(settings) for b in boots])
+            slot, slot_ci = law.predict(settings), percentile_interval([b.predict(settings) for b in boots])
             sets = [set_change_from_slot(b.predict(settings), top_k) for b in boots]
             print(f"{experts}/{top_k} at KL {kl:g}: slot {100 * slot:.3f}% [{100 * slot_ci[0]:.3f}, "
                   f"{100 * slot_ci[1]:.3f}], set {100 * set_change_from_slot(slot, top_k):.2f}% "
-                  f"[{100 * _interval(sets)[0]:.2f}, {100 * _interval(sets)[1]:.2f}]")
+                  f"[{100 * percentile_interval(sets)[0]:.2f}, {100 * percentile_interval(sets)[1]:.2f}]")
 
 
 def check(runs: pd.DataFrame) -> None:
