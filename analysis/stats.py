@@ -342,23 +342,38 @@ def critical_point(frame: pd.DataFrame, axis: str, value: str, seed: str = "seed
 def _inverted_t_ci(grid: np.ndarray, values: np.ndarray, log_axis: bool, confidence: float,
                    n_points: int = 801) -> tuple[float, float]:
     """Hull of the axis values (on a fine grid between the first and last grid point) where the t CI of the
-    mean over the complete seeds' interpolated curves contains 0. Empty: the crossing itself where the seeds
-    agree exactly, else beyond the grid on the side the mean points to."""
-    values = values[np.isfinite(values).all(axis=1)]
-    if len(values) < 2:
-        return math.nan, math.nan
+    mean contains 0. Between two adjacent grid points the mean and its CI come from the seeds that have both
+    points (each seed's curve interpolated linearly there), so that a seed missing a cell far from the crossing
+    still counts near it; a stretch that fewer than 2 seeds cover cannot exclude 0 and counts as inside. With
+    every seed complete this is the interval of the seeds' interpolated curves. Empty: the crossing itself where
+    the seeds agree exactly, else beyond the grid on the side the mean points to."""
     x = np.log(grid) if log_axis else grid
     fine = np.linspace(x[0], x[-1], n_points)
-    curves = np.array([np.interp(fine, x, v) for v in values])  # (S, n_points)
-    mean, se = curves.mean(axis=0), curves.std(axis=0, ddof=1) / math.sqrt(len(curves))
-    half = stats.t.ppf((1 + confidence) / 2, len(curves) - 1) * se
-    inside = np.flatnonzero(np.abs(mean) <= half)
-    if not len(inside):  # no spread, or a mean whose CI excludes 0 everywhere on the grid
-        point = zero_crossing(grid, values.mean(axis=0), log_axis)
+    stretch = np.clip(np.searchsorted(x, fine, side="right") - 1, 0, len(x) - 2)  # (n_points,) its left grid point
+    inside, known = np.zeros(n_points, dtype=bool), False
+    for i in range(len(x) - 1):
+        at = stretch == i
+        ends_S2 = values[:, i : i + 2]
+        ends_S2 = ends_S2[np.isfinite(ends_S2).all(axis=1)]  # the seeds that have both ends
+        if len(ends_S2) < 2:
+            inside[at] = True
+            continue
+        known = True
+        w = (fine[at] - x[i]) / (x[i + 1] - x[i])
+        curves = ends_S2[:, :1] * (1 - w) + ends_S2[:, 1:] * w  # (S, points of this stretch)
+        mean, se = curves.mean(axis=0), curves.std(axis=0, ddof=1) / math.sqrt(len(curves))
+        inside[at] = np.abs(mean) <= stats.t.ppf((1 + confidence) / 2, len(curves) - 1) * se
+    if not known:
+        return math.nan, math.nan
+    hits = np.flatnonzero(inside)
+    if not len(hits):  # no spread, or a mean whose CI excludes 0 everywhere on the grid
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            point = zero_crossing(grid, np.nanmean(values, axis=0), log_axis)
         if math.isfinite(point):
             return point, point
         return (float(grid[-1]), math.inf) if point > 0 else (-math.inf, float(grid[0]))
     to_axis = np.exp if log_axis else (lambda v: v)
-    low = -math.inf if inside[0] == 0 else float(to_axis(fine[inside[0]]))
-    high = math.inf if inside[-1] == n_points - 1 else float(to_axis(fine[inside[-1]]))
+    low = -math.inf if hits[0] == 0 else float(to_axis(fine[hits[0]]))
+    high = math.inf if hits[-1] == n_points - 1 else float(to_axis(fine[hits[-1]]))
     return low, high

@@ -210,6 +210,22 @@ def test_critical_point_recovers_a_known_law_and_its_interval_covers():
     assert t_hits >= 26 and boot_hits < t_hits
 
 
+def test_a_seed_missing_a_far_cell_still_counts_near_the_crossing():
+    """The crossing lies between 1e-3 and 1e-2 (5 seeds). Seed 4 missing its 1e-4 cell leaves the interval as it
+    was (the first stretch still excludes 0 with four seeds); with four of five missing, that stretch has one seed,
+    cannot exclude 0, and the interval opens below the grid. One seed everywhere: no interval."""
+    sweep = _stability_sweep(np.random.default_rng(3), 5, noise=0.01)
+    complete = critical_point(sweep, "lr", "change")
+    assert 1e-3 < complete.ci_low < 10 ** -2.5 < complete.ci_high < 1e-2
+    one_gone = sweep[~((sweep["seed"] == 4) & (sweep["lr"] == 1e-4))]
+    again = critical_point(one_gone, "lr", "change")
+    assert (again.ci_low, again.ci_high) == pytest.approx((complete.ci_low, complete.ci_high), rel=1e-12)
+    four_gone = sweep[~((sweep["seed"] >= 1) & (sweep["lr"] == 1e-4))]
+    assert critical_point(four_gone, "lr", "change").ci_low == -math.inf
+    single = critical_point(sweep[sweep["seed"] == 0], "lr", "change")
+    assert math.isnan(single.ci_low) and math.isnan(single.ci_high)
+
+
 def test_critical_point_beyond_the_grid_is_open_ended():
     rows = [{"seed": s, "staleness": m, "change": 0.2 + 0.01 * s} for s in range(3) for m in (1, 2, 4, 8, 16)]
     stable = critical_point(pd.DataFrame(rows), "staleness", "change")
