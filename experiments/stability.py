@@ -33,6 +33,11 @@ average two at a time (longer while other jobs shared the cores), so the lr axis
 and the whole map (198 runs) about 5.5. Run it in several sittings (the sweep resumes), one axis or a few methods
 at a time; spend extra seeds near each frontier with `--only` (and `--arg seeds=5` in a sweep folder of its own:
 a different grid), as results/stability/PROTOCOL.md did for lr 4e-4.
+Second sitting (2026-12-01/02, same machine): 15-step runs took 230-300 s two at a time at lr 1.6e-3.
+The deep arm as written (`--arg n_layers=8`) cannot learn here: its own warm start scores 0 of 1,024 seven-term
+prompts at T = 1 and greedy, and one native GRPO run at lr 2e-4 (seed 0) drew 0 reward in all 7,680 training
+samples, so every advantage is 0 (results/README.md, search log). A deep arm needs a regime in which the deeper
+warm start solves some 7-term problems (or a training mix of 4-7 terms); not yet built.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
