@@ -326,3 +326,23 @@ def test_the_committed_map_is_recomputed_from_its_per_run_tables():
     paired = paired_cells(frame, FIXED)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
                                pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+
+
+def test_the_pooled_map_is_recomputed_from_both_sittings_tables():
+    """results/stability: the map of both sittings (lr_1, lr_2) from their committed per-run tables alone; the
+    second sitting re-ran four of the first's runs, and they agree (else pooled_frame raises)."""
+    from pathlib import Path
+
+    from analysis.stability import critical_values, pooled_frame
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    frame, repeats = pooled_frame([root / "lr_1", root / "lr_2"])
+    assert repeats == 4
+    committed = pd.read_csv(root / "tables" / "stability_cells.csv")
+    again = stability_cells(frame, FIXED)
+    for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median"):
+        np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   equal_nan=True, err_msg=column)
+    critical = critical_values(frame, FIXED)
+    np.testing.assert_allclose(critical["critical"].to_numpy(float),
+                               pd.read_csv(root / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
