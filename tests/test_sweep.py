@@ -278,7 +278,8 @@ def test_a_repeated_arg_adds_to_the_others_and_a_key_given_twice_is_refused(tmp_
     out = moe_rl("sweep", "stability", "--dry-run", "--arg", "axes=lr", "--arg", "methods=grpo,grpo+R2", "seeds=1",
                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "arguments: axes=lr methods=grpo,grpo+R2 seeds=1" in out.stdout and "runs (10): 10 start" in out.stdout
+    # 2 methods x the 7 learning rates of experiments.stability.LRS x 1 seed
+    assert "arguments: axes=lr methods=grpo,grpo+R2 seeds=1" in out.stdout and "runs (14): 14 start" in out.stdout
     assert "swept minibatches: 4\n" in out.stdout  # the lr axis only
     out = moe_rl("sweep", "stability", "--dry-run", "--arg", "seeds=3", "--arg", "seeds=5", cwd=tmp_path)
     assert out.returncode == 2 and "--arg gives seeds twice (3 and 5)" in out.stderr
