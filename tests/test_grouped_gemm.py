@@ -172,6 +172,16 @@ needs_c_loop = pytest.mark.skipif(not mkl_available() or not grouped_gemm.c_loop
                                          "kernel build that has them (not MOE_RL_ISA=baseline)")
 
 
+def _plan_or_skip(mode: int, d_in: int, d_out: int):
+    """This machine's plan for the product, or a skip where there is none: where MKL does not sum as one chain (seen
+    with MKL's AVX2 kernels on an Intel Xeon) the loop must not serve, and test_c_loop_stays_within_the_float64_bound
+    still tests its arithmetic."""
+    plan = grouped_gemm.exact_plan(mode, d_in, d_out)
+    if plan is None:
+        pytest.skip(f"no plan for product {mode} at {d_in}x{d_out} here: MKL's order is not the loop's chain")
+    return plan
+
+
 def test_c_loop_runs_wherever_the_cpu_and_the_build_have_its_vectors():
     """The skip above asks the C code whether it runs; this keeps that from hiding a build that lost its vector
     kernels: on a CPU with AVX2 and FMA (or AVX-512) the C loop must run unless the kernels' ISA is capped to the
@@ -186,16 +196,25 @@ def test_c_loop_runs_wherever_the_cpu_and_the_build_have_its_vectors():
 
 
 @needs_c_loop
-def test_c_loop_takes_the_paper_widths_with_the_measured_plans():
-    """At d_model 64 and expert width 32 (the bench and study models) every product has a plan, with the group
-    sizes the module's comments give: forward 1-1,024 (fused from 4 rows), input grad from 4, weight grad up to 192."""
-    from moe_rl.kernels.grouped_gemm import _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD, ExactPlan, exact_plan
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64)])
+def test_c_loop_gives_torch_numbers_at_every_group_size_of_its_plan(d_in, d_out, mode):
+    """At d_model 64 and expert width 32 (the bench and study models) every product has a plan that starts at a few
+    rows and reaches MKL's depth block, and the loop gives torch's numbers at every group size inside it, not only
+    at the sizes the search checked (which skip from 200 rows to 224, 256, ...)."""
+    from moe_rl.kernels.grouped_gemm import _torch_products, _exact_products, exact_plan
 
-    for d_in, d_out in [(64, 64), (32, 64)]:
-        assert exact_plan(_FORWARD, d_in, d_out) == ExactPlan(1, 1024, 4)
-        assert exact_plan(_INPUT_GRAD, d_in, d_out) == ExactPlan(4, 1024, 4)
-        assert exact_plan(_WEIGHT_GRAD, d_in, d_out) == ExactPlan(0, 192, 0)
-    assert exact_plan(_FORWARD, 256, 512) is None  # MKL splits a depth of 256: its sums are not one chain
+    plan = _plan_or_skip(mode, d_in, d_out)
+    assert plan.min_rows <= 4 and plan.max_rows >= 96, plan
+    counts_E = torch.arange(plan.min_rows, plan.max_rows + 1)
+    rows = int(counts_E.sum())
+    shapes = {0: ((rows, d_in), (counts_E.numel(), d_in, d_out), (rows, d_out)),
+              1: ((rows, d_out), (counts_E.numel(), d_in, d_out), (rows, d_in)),
+              2: ((rows, d_in), (rows, d_out), (counts_E.numel(), d_in, d_out))}[mode]
+    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
+    by_loop = torch.full(shapes[2], float("nan"))
+    assert _exact_products(mode, counts_E, rows, d_in, d_out, a, b, by_loop, plan) == 0  # it took every group
+    assert torch.equal(by_loop, _torch_products(mode, counts_E, a, b))
 
 
 @needs_c_loop
@@ -206,7 +225,7 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
     must have run and left some experts to MKL."""
 
     for mode in (grouped_gemm._FORWARD, grouped_gemm._INPUT_GRAD, grouped_gemm._WEIGHT_GRAD):
-        grouped_gemm.exact_plan(mode, d_in, d_out)  # found (and cached) before the spy: the search calls the loop too
+        _plan_or_skip(mode, d_in, d_out)  # found (and cached) before the spy: the search calls the loop too
     left_to_mkl = []
     real = grouped_gemm._exact_products
 
@@ -223,15 +242,76 @@ def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_i
 
 
 @needs_c_loop
-@pytest.mark.parametrize("start", [(1, 1), (1, 100)])  # fused from 1 row (MKL rounds 1-3 rows unfused); from 100
-def test_a_plan_that_rounds_unlike_mkl_is_refused(start, monkeypatch):
-
-    monkeypatch.setattr(grouped_gemm, "_PLAN_START", {**grouped_gemm._PLAN_START, grouped_gemm._FORWARD: start})
+def test_a_plan_serves_only_where_its_rounding_agrees_with_torch(monkeypatch):
+    """Offered only a rounding that leaves the first 99 rows of a group unfused (MKL fuses from a few rows), the
+    search must not let the loop serve groups smaller than 100 rows; and with no stretch long enough to be worth it,
+    there is no plan and the products are MKL's, still torch's numbers."""
+    monkeypatch.setattr(grouped_gemm, "_FUSED_FROM", (100,))
     grouped_gemm.exact_plan.cache_clear()
     try:
-        assert grouped_gemm.exact_plan(grouped_gemm._FORWARD, 64, 64) is None
+        plan = grouped_gemm.exact_plan(grouped_gemm._FORWARD, 64, 64)
+        assert plan is None or plan.min_rows >= 100, plan
+        monkeypatch.setattr(grouped_gemm, "_MIN_SERVED_SIZE", 10_000)
+        grouped_gemm.exact_plan.cache_clear()
+        assert all(grouped_gemm.exact_plan(mode, 64, 64) is None for mode in grouped_gemm._PRODUCTS)
+        counts_E = torch.tensor([0, 1, 2, 3, 4, 17, 193, 300] + [1] * 30)
+        x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 64, 64)
+        _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E)
     finally:
         grouped_gemm.exact_plan.cache_clear()
+
+
+@needs_mkl
+def test_batch_call_serves_a_shape_only_where_it_rounds_like_torch_above_a_few_rows():
+    """torch_group_sizes: the sizes MKL's batch call leaves to torch are a few rows at most (else None: the batch call
+    does not serve the shape), and the one-row input gradient, which expert_sgemm never computes, is among them."""
+    for d_in, d_out in [(64, 64), (32, 64), (256, 512)]:
+        for mode in grouped_gemm._PRODUCTS:
+            sizes = grouped_gemm.torch_group_sizes(mode, d_in, d_out)
+            assert sizes is None or max(sizes, default=0) <= grouped_gemm._MAX_TORCH_SIZE
+        assert 1 in grouped_gemm.torch_group_sizes(grouped_gemm._INPUT_GRAD, d_in, d_out)
+
+
+def _float64_products(mode: int, counts_E, a, b):
+    """The products of `mode` group by group in float64 (torch._grouped_mm takes no float64)."""
+    groups = zip(a.split(counts_E.tolist()), b.split(counts_E.tolist()) if mode == 2 else b.unbind())
+    if mode == 0:
+        return torch.cat([x @ w for x, w in groups])
+    if mode == 1:
+        return torch.cat([g @ w.T for g, w in groups])
+    return torch.stack([x.T @ g for x, g in groups])
+
+
+@needs_c_loop
+@pytest.mark.parametrize("fused_from", [0, 4])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_c_loop_stays_within_the_float64_bound(mode, fused_from):
+    """Whatever MKL does on this CPU, the loop's arithmetic is checked against float64: every element of a k-term
+    dot product is within gamma_k = k u / (1 - k u) of the exact value, relative to the sum of |terms| (u = 2^-24),
+    the textbook bound for recursive summation; every group size 0-200 and some larger, both roundings."""
+    from moe_rl.kernels.grouped_gemm import ExactPlan, _exact_products
+
+    d_in, d_out = 64, 32
+    counts_E = torch.tensor([*range(0, 201), 256, 512, 1024])
+    rows = int(counts_E.sum())
+    shapes = {0: ((rows, d_in), (counts_E.numel(), d_in, d_out), (rows, d_out)),
+              1: ((rows, d_out), (counts_E.numel(), d_in, d_out), (rows, d_in)),
+              2: ((rows, d_in), (rows, d_out), (counts_E.numel(), d_in, d_out))}[mode]
+    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
+    by_loop = torch.full(shapes[2], float("nan"))
+    plan = ExactPlan(0 if mode == 2 else 1, 1024, fused_from)
+    assert _exact_products(mode, counts_E, rows, d_in, d_out, a, b, by_loop, plan) == 0
+    exact, magnitude = (_float64_products(mode, counts_E, a.double().abs() if absolute else a.double(),
+                                          b.double().abs() if absolute else b.double()) for absolute in (False, True))
+    depth = {0: d_in, 1: d_out, 2: None}[mode]
+    u = 2.0**-24
+    if depth is None:  # a weight gradient sums over its expert's rows
+        depth_E = counts_E.clamp(min=1).double()[:, None, None]
+        bound = depth_E * u / (1 - depth_E * u) * magnitude
+    else:
+        bound = depth * u / (1 - depth * u) * magnitude
+    assert torch.isfinite(by_loop).all()
+    assert ((by_loop.double() - exact).abs() <= bound).all()
 
 
 @needs_c_loop

@@ -6,18 +6,25 @@ starts_E[e] : starts_E[e] + counts_E[e].
 Why: torch._grouped_mm on CPU loops over the experts and issues one matrix product per expert. At 128 experts with a
 handful of slots each (decode steps, minibatches at the paper's routing shape), the per-product overhead costs more
 than the arithmetic. torch's x86 CPU wheels link MKL, whose `cblas_sgemm_batch` multiplies every (rows, weight) pair
-of a grouped product in one call. It runs the same sgemm kernels as torch's matmul, so the products are the same
-numbers bit for bit, forward and backward (tests/test_grouped_gemm.py checks every group size from 0 to 129
-against torch._grouped_mm and its autograd): switching kernels changes no sampled token, gradient or logged value.
-The call's per-expert argument arrays are filled by a C kernel (native_kernels.c, expert_sgemm), which makes the call
-cheap enough to pay off at any number of experts without autograd (MKL_MIN_EXPERTS_WITH_GRAD says where with it).
+of a grouped product in one call. It runs the sgemm kernels torch's matmul runs for all but the smallest products;
+which group sizes round differently is a property of the CPU (on a 2-core AMD EPYC the one-row input gradient, which
+torch computes as a matrix-vector product; on an Intel Xeon with AVX-512 the one-row forward too), so
+`torch_group_sizes` finds them on this machine, once per product and shape, by comparing the batch call with torch's
+own product on every group size it checks, and those experts are computed by torch's product after the batch call.
+The result is torch._grouped_mm's numbers bit for bit, forward and backward (tests/test_grouped_gemm.py checks every
+group size from 0 to 129 against torch._grouped_mm and its autograd): switching kernels changes no sampled token,
+gradient or logged value. The call's per-expert argument arrays are filled by a C kernel (native_kernels.c,
+expert_sgemm), which makes the call cheap enough to pay off at any number of experts without autograd
+(MKL_MIN_EXPERTS_WITH_GRAD says where with it).
 
 Faster still, where it gives the same bits: at the small widths of the paper-shaped models MKL sums each output
 element as one chain over the depth, in order, so a C loop (native_kernels.c, exact_products, AVX-512 or AVX2 with
-FMA) that chains the same way gives MKL's numbers without MKL's packing of small operands (measured, one thread, at
+FMA) that chains the same way gives torch's numbers without MKL's packing of small operands (measured, one thread, at
 128 experts, d_model 64, expert width 32: 1.3-1.4x per product on an AVX-512 CPU; on a 2-core AVX2 AMD EPYC 0.92x the
-MKL time without autograd and 0.77x with it at 704 tokens, and 1.03-1.04x at 8 experts of width 64). Nothing promises MKL sums that way, so `exact_plan` compares the two on
-every group size up to 1,024 once per shape and process, and the loop serves only the sizes where they agreed.
+MKL time without autograd and 0.77x with it at 704 tokens, and 1.03-1.04x at 8 experts of width 64). Nothing promises
+MKL sums that way, and where it starts fusing the multiply-adds differs between CPUs, so `exact_plan` compares the
+loop with torch's product on every checked group size up to 1,024 once per shape and process, for each way of
+rounding the first rows the loop offers, and the loop serves only the sizes where they agreed.
 
 Where MKL or the C kernels are absent (other CPU builds, no C compiler), on CUDA, in other dtypes and at more than
 one thread, `grouped_mm` is torch._grouped_mm.
@@ -37,6 +44,7 @@ from moe_rl.model.replaceable import family_enabled, implements
 from moe_rl.kernels.native import library as native_library
 
 _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2  # the products of native_kernels.c's expert_sgemm
+_PRODUCTS = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD)
 _MAX_MKL_INT = 2**31 - 1  # the LP64 interface takes 32-bit sizes and strides
 
 
@@ -72,9 +80,10 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) 
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm's values and gradients,
     on one CPU thread through MKL batch calls (always without autograd; with it, the forward and the two products
     of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
-    if not _serves(x_ND, w_EDF):
+    with_grad = torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad)
+    if not _serves(x_ND, w_EDF, _PRODUCTS if with_grad else (_FORWARD,)):
         return NotImplemented
-    if torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad):
+    if with_grad:
         if w_EDF.shape[0] < MKL_MIN_EXPERTS_WITH_GRAD:
             return NotImplemented
         return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E)
@@ -95,9 +104,14 @@ def short_block_rows(counts_E: torch.Tensor, capacity: int, d_model: int, d_expe
     return counts_E.clamp(min=max(exact_rows))
 
 
-def _serves(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:
-    return (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and w_EDF.dtype == torch.float32
-            and 0 < x_ND.numel() < _MAX_MKL_INT and w_EDF.numel() < _MAX_MKL_INT and single_threaded_mkl())
+def _serves(x_ND: torch.Tensor, w_EDF: torch.Tensor, products: tuple[int, ...]) -> bool:
+    """CPU fp32 operands within MKL's 32-bit sizes, one thread, and a batch call that gives torch's numbers for each
+    of `products` at this shape (torch_group_sizes)."""
+    if not (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and w_EDF.dtype == torch.float32
+            and 0 < x_ND.numel() < _MAX_MKL_INT and w_EDF.numel() < _MAX_MKL_INT and single_threaded_mkl()):
+        return False
+    _, D, F = w_EDF.shape
+    return all(torch_group_sizes(product, D, F) is not None for product in products)
 
 
 def single_threaded_mkl() -> bool:
@@ -122,7 +136,7 @@ class _MKLGroupedMM(torch.autograd.Function):
         grad_NF = grad_NF.contiguous()
         grad_x_ND = None
         if ctx.needs_input_grad[0]:
-            grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E, counts_E.cumsum(0) - counts_E)
+            grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E)
         grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E) if ctx.needs_input_grad[1] else None
         return grad_x_ND, grad_w_EDF, None
 
@@ -136,17 +150,14 @@ def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     return y_NF
 
 
-def _input_grad(grad_NF, w_EDF, counts_E, starts_E):
+def _input_grad(grad_NF, w_EDF, counts_E):
     """Per expert, (n_e, F) @ (D, F)^T. torch's matmul computes a one-row product against a transposed matrix as a
-    matrix-vector product, which rounds differently from the batch call's general product; so the experts with one
-    slot are left out of the batch (m = 0) and computed by torch.bmm, which matches torch here."""
+    matrix-vector product, which rounds differently from the batch call's general product on every CPU seen so far,
+    so expert_sgemm leaves the one-slot experts out of the batch (m = 0); torch_group_sizes then finds size 1 and
+    _expert_products computes them with torch's product."""
     E, D, F = w_EDF.shape
     grad_ND = grad_NF.new_empty(grad_NF.shape[0], D)
     _expert_products(_INPUT_GRAD, counts_E, D, F, grad_NF, w_EDF, grad_ND)
-    experts_S = (counts_E == 1).nonzero().squeeze(1)
-    if experts_S.numel():
-        rows_S = starts_E[experts_S]
-        grad_ND[rows_S] = torch.bmm(grad_NF[rows_S, None], w_EDF[experts_S].transpose(1, 2)).squeeze(1)
     return grad_ND
 
 
@@ -160,7 +171,8 @@ def _weight_grad(x_ND, grad_NF, counts_E):
 
 def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c) -> None:
     """The products of `mode` (native_kernels.c, expert_sgemm, says which): the group sizes where the C loop gives
-    MKL's numbers (`exact_plan`) in C, the others in one MKL batch call set up in C.
+    torch's numbers (`exact_plan`) in C, the others in one MKL batch call set up in C, and of those the sizes where
+    the batch call rounds unlike torch (`torch_group_sizes`) again with torch's product.
     MKL and the C loop read raw addresses: rows that do not add up, shapes that do not fit, or strided memory, would
     make them read the wrong numbers (or past the end of a tensor) without an error, so all three are refused here."""
     if not (a.is_contiguous() and b.is_contiguous() and c.is_contiguous()):
@@ -183,6 +195,36 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     status = native_library().expert_sgemm(_sgemm_batch(), mode, E, counts_E.data_ptr(), rows, D, F, a.data_ptr(),
                                            b.data_ptr(), c.data_ptr(), skip_min_rows, skip_max_rows)
     _raise_for_status(status, counts_E, rows)
+    sizes = torch_group_sizes(mode, D, F)
+    redo = [size for size in sizes or () if not skip_min_rows <= size <= skip_max_rows]
+    if redo:
+        _torch_products_of(mode, counts_E, a, b, c, torch.isin(counts_E, torch.tensor(redo)))
+
+
+def _torch_products(mode: int, counts_E: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The products of `mode` as torch computes them: torch._grouped_mm forward, and the two products its autograd
+    takes for the input and weight gradients (the reference every fast path here is checked against)."""
+    ends_E = counts_E.cumsum(0).to(torch.int32)
+    if mode == _FORWARD:
+        return torch._grouped_mm(a, b, offs=ends_E)
+    if mode == _INPUT_GRAD:
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=ends_E)
+    return torch._grouped_mm(a.t(), b, offs=ends_E)
+
+
+def _torch_products_of(mode: int, counts_E, a, b, c, chosen_E: torch.Tensor) -> None:
+    """Overwrite the chosen experts' part of c with torch's products. torch._grouped_mm multiplies each group on its
+    own, so a call on these experts' rows gives the numbers a call on all of them would."""
+    experts_S = chosen_E.nonzero().squeeze(1)
+    if experts_S.numel() == 0:
+        return
+    expert_of_row_N = torch.repeat_interleave(torch.arange(counts_E.numel()), counts_E)
+    rows_R = chosen_E[expert_of_row_N].nonzero().squeeze(1)  # the chosen experts' rows, in order
+    counts_S = counts_E[experts_S]
+    if mode == _WEIGHT_GRAD:
+        c[experts_S] = _torch_products(mode, counts_S, a[rows_R], b[rows_R])
+    else:
+        c[rows_R] = _torch_products(mode, counts_S, a[rows_R], b[experts_S])
 
 
 def _raise_for_status(status: int, counts_E: torch.Tensor, rows: int) -> None:
@@ -203,14 +245,15 @@ class ExactPlan(NamedTuple):
     fused_from: int
 
 
-# Per product, what the check starts from: (smallest group size the C loop may take, group size from which MKL uses
-# fused multiply-adds). Measured with torch 2.13's MKL on AVX-512: a forward product of 1-3 rows takes a path that
-# rounds each product before adding; an input-gradient product of 2-3 rows takes yet another order (and one row is
-# torch's matrix-vector product, see _input_grad), so those stay with MKL; weight gradients chain over the rows at any
-# size up to MKL's depth block (192 rows), beyond which MKL splits the sum and the check stops the C loop.
-_PLAN_START = {_FORWARD: (1, 4), _INPUT_GRAD: (4, 4), _WEIGHT_GRAD: (0, 0)}
+# The group sizes the checks below compare on, and the ways the C loop can round a group's first rows that exact_plan
+# tries: MKL multiplies and rounds each product before adding in its smallest products, and fuses the multiply-adds
+# from a size that depends on the CPU (from 4 rows in the forward on a 2-core AMD EPYC, from 2 on an Intel Xeon with
+# AVX-512); fused_from 0 fuses every row.
 _CHECKED_SIZES = (*range(0, 201), 224, 256, 320, 384, 512, 768, 1024)
-_MIN_SERVED_SIZE = 64  # a plan that agrees with MKL only on smaller groups is not worth its second code path
+_FUSED_FROM = (0, 1, 2, 3, 4)
+_LOWEST_SIZE = {_FORWARD: 1, _INPUT_GRAD: 1, _WEIGHT_GRAD: 0}  # a weight gradient of 0 rows is a block of zeros
+_MIN_SERVED_SIZE = 64  # a plan that agrees with torch only on smaller groups is not worth its second code path
+_MAX_TORCH_SIZE = 8  # the batch call serves a shape only where it rounds like torch on every larger group
 
 
 def _found_once_per_shape(find):
@@ -229,40 +272,77 @@ def _found_once_per_shape(find):
     return at_one_thread
 
 
-@_found_once_per_shape
-def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
-    """The C loop's plan for this product and shape on this machine, or None where it must not serve.
-
-    Both kernels run on the same random operands with one group of every size in _CHECKED_SIZES; the plan serves the
-    sizes from its start up to the largest checked size below which every group came out bit-identical. The order
-    in which a matrix kernel sums is the same for all values, so one draw shows it (random values make a different
-    order show in almost every element). A few ms."""
-    min_rows, fused_from = _PLAN_START[mode]
+def _checked_operands(mode: int, d: int, f: int):
+    """One group of every size in _CHECKED_SIZES with random operands (a fixed draw: the order in which a matrix
+    kernel sums is the same for all values, and random values make a different order show in almost every
+    element), and torch's products of them."""
     counts_E = torch.tensor(_CHECKED_SIZES, dtype=torch.int64)
     rows, E = int(counts_E.sum()), counts_E.numel()
     generator = torch.Generator().manual_seed(0)
     shapes = {_FORWARD: ((rows, d), (E, d, f), (rows, f)), _INPUT_GRAD: ((rows, f), (E, d, f), (rows, d)),
               _WEIGHT_GRAD: ((rows, d), (rows, f), (E, d, f))}[mode]
     a, b = (torch.randn(shape, generator=generator) for shape in shapes[:2])
-    by_mkl, by_loop = torch.zeros(shapes[2]), torch.zeros(shapes[2])
-    _raise_for_status(native_library().expert_sgemm(_sgemm_batch(), mode, E, counts_E.data_ptr(), rows, d, f,
-                                                    a.data_ptr(), b.data_ptr(), by_mkl.data_ptr(), 1, 0),
+    return counts_E, a, b, torch.zeros(shapes[2]), _torch_products(mode, counts_E, a, b)
+
+
+def _equal_sizes(mode: int, ours: torch.Tensor, torchs: torch.Tensor) -> list[bool]:
+    """Per checked size, whether its group came out bit-identical."""
+    split = (lambda t: t.split(_CHECKED_SIZES)) if mode != _WEIGHT_GRAD else (lambda t: t.unbind())
+    return [torch.equal(x, y) for x, y in zip(split(ours), split(torchs))]
+
+
+@_found_once_per_shape
+def torch_group_sizes(mode: int, d: int, f: int) -> frozenset[int] | None:
+    """The group sizes at which MKL's batch call rounds unlike torch's product on this machine (computed again by
+    torch after the batch call), or None where that includes a size above _MAX_TORCH_SIZE: then the batch call does
+    not serve this product and shape at all. A few ms per shape."""
+    counts_E, a, b, by_mkl, by_torch = _checked_operands(mode, d, f)
+    rows = a.shape[0]
+    _raise_for_status(native_library().expert_sgemm(_sgemm_batch(), mode, counts_E.numel(), counts_E.data_ptr(),
+                                                    rows, d, f, a.data_ptr(), b.data_ptr(), by_mkl.data_ptr(), 1, 0),
                       counts_E, rows)
-    widest = ExactPlan(min_rows, _CHECKED_SIZES[-1], fused_from)
-    if _exact_products(mode, counts_E, rows, d, f, a, b, by_loop, widest) < 0:
-        return None
-    groups = by_mkl.split(_CHECKED_SIZES) if mode != _WEIGHT_GRAD else by_mkl.unbind()
-    loop_groups = by_loop.split(_CHECKED_SIZES) if mode != _WEIGHT_GRAD else by_loop.unbind()
-    max_rows = None
-    for size, mkl_group, loop_group in zip(_CHECKED_SIZES, groups, loop_groups):
-        if size < min_rows:
+    unlike = frozenset(size for size, equal in zip(_CHECKED_SIZES, _equal_sizes(mode, by_mkl, by_torch)) if not equal)
+    return None if any(size > _MAX_TORCH_SIZE for size in unlike) else unlike
+
+
+@_found_once_per_shape
+def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
+    """The C loop's plan for this product and shape on this machine, or None where it must not serve.
+
+    The loop and torch's product run on one group of every checked size, once for each way of rounding the first
+    rows (_FUSED_FROM); a plan serves the longest stretch of consecutive checked sizes on which the loop came out
+    bit-identical to torch (_longest_agreeing_stretch says which stretches count), and the rounding whose stretch is
+    longest wins. Smaller groups go to MKL's
+    batch call (and torch_group_sizes). A few ms."""
+    counts_E, a, b, by_loop, by_torch = _checked_operands(mode, d, f)
+    best = None
+    for fused_from in _FUSED_FROM:
+        widest = ExactPlan(_LOWEST_SIZE[mode], _CHECKED_SIZES[-1], fused_from)
+        if _exact_products(mode, counts_E, a.shape[0], d, f, a, b, by_loop.zero_(), widest) < 0:
+            return None
+        plan = _longest_agreeing_stretch(_equal_sizes(mode, by_loop, by_torch), _LOWEST_SIZE[mode], fused_from)
+        if plan is not None and (best is None or (plan.max_rows - plan.min_rows, -plan.min_rows)
+                                 > (best.max_rows - best.min_rows, -best.min_rows)):
+            best = plan
+    return best
+
+
+def _longest_agreeing_stretch(equal: list[bool], lowest: int, fused_from: int) -> ExactPlan | None:
+    """The plan over the longest run of consecutive checked sizes (from `lowest` up) that all agreed, if it starts
+    within the first _MAX_TORCH_SIZE rows and reaches _MIN_SERVED_SIZE rows. A run that starts further up means MKL's
+    order changes with the group size (seen with MKL's AVX2 kernels on an Intel Xeon: agreement at 152-156 rows and
+    at 224 rows and up, nowhere else), and then agreement at the checked sizes says nothing of those between them."""
+    best, start = None, None
+    for index, (size, agreed) in enumerate(zip(_CHECKED_SIZES, equal)):
+        if size < lowest or not agreed:
+            start = None
             continue
-        if not torch.equal(mkl_group, loop_group):
-            break
-        max_rows = size
-    if max_rows is None or max_rows < _MIN_SERVED_SIZE:
+        start = size if start is None else start
+        if best is None or size - start > best.max_rows - best.min_rows:
+            best = ExactPlan(start, size, fused_from)
+    if best is None or best.min_rows > _MAX_TORCH_SIZE or best.max_rows < _MIN_SERVED_SIZE:
         return None
-    return ExactPlan(min_rows, max_rows, fused_from)
+    return best
 
 
 def c_loop_runs() -> bool:
