@@ -65,7 +65,7 @@ def kernels_lines() -> list[str]:
     cpu = report["cpu"]
     caps = ", ".join(f"{k}={v}" for k, v in cpu["caps"].items()) or "none"
     lines = [f"CPU: {cpu['model']} ({', '.join(cpu['features'])}); torch kernels {cpu['aten_capability']}, MKL "
-             f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels built for {cpu['kernels_isa']}; ISA caps: {caps}.", "",
+             f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels capped at {cpu['kernels_isa']} (the widest built version the CPU runs is picked at load); ISA caps: {caps}.", "",
              "| kernel family | used | why |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if c['used'] else 'no'} | {c['why']} |" for name, c in report["families"].items()]
     return lines

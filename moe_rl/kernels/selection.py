@@ -148,9 +148,11 @@ def _machine_key() -> str:
 
 
 def _measurement_hash() -> str:
-    """The measurement's own code (its shapes and thresholds): a changed rule measures again."""
-    here = Path(__file__).parent
-    return hashlib.sha256((here / "measure.py").read_bytes() + (here / "selection.py").read_bytes()).hexdigest()[:16]
+    """The measurement's own code (its shapes and thresholds) and the Python side of every family it times (what a
+    family does around its C call, such as the torch products the MKL path computes again, changes its speed): a
+    change to any of them measures again."""
+    sources = sorted(Path(__file__).parent.glob("*.py"))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
 
 
 def _read(path: Path) -> dict[str, dict] | None:
