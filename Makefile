@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 
 # Everything: the whole suite (slow end-to-end cases included), then the numerics tests under the ISA caps.
 test: install
-	$(PYTEST) -n $(TEST_WORKERS)
+	$(PYTEST) -n $(TEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-numerics
 
 # The numerics tests (marked `numerics`: float64 bounds, bit-for-bit kernels, replay, KV cache) under each cap; the
