@@ -222,13 +222,15 @@ def _mkl_missing() -> str | None:
 
 
 def _exact_missing() -> str | None:
-    from moe_rl.kernels.grouped_gemm import _FORWARD, exact_plan
+    from moe_rl.kernels.grouped_gemm import _FORWARD, c_loop_runs, exact_plan
 
     if _mkl_missing():
         return _mkl_missing()
-    plan = exact_plan(_FORWARD, PAPER["d_model"], 2 * PAPER["d_expert"])
-    return None if plan is not None else ("the C loop needs AVX-512 or AVX2 with FMA, and MKL's summation order at "
-                                          "the paper widths")
+    if not c_loop_runs():
+        return "the C loop needs AVX-512 or AVX2 with FMA (and a kernel build that has them)"
+    if exact_plan(_FORWARD, PAPER["d_model"], 2 * PAPER["d_expert"]) is None:
+        return "MKL does not sum as the C loop's one chain at the paper widths on this CPU: no group sizes to serve"
+    return None
 
 
 _PLANS = {  # family: (what is missing, or None; the workloads), in the order they are measured

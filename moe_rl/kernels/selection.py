@@ -37,7 +37,7 @@ FAMILIES = {
     "slots": "token-slots sorted by expert (C counting sort; torch's stable argsort)",
     "rows": "the experts' input rows gathered and their outputs summed (C copies and sums; the torch index ops' bits)",
     "mkl_products": "the experts' grouped products as MKL batch calls (torch._grouped_mm's and bmm's bits)",
-    "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; MKL's bits, checked at load)",
+    "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; torch's bits, checked at load)",
     "rotary": "the rotary embedding, forward and backward (C; the torch ops' bits)",
     "decode_attention": "the fp32 sampler's one-query attention over the KV cache (C; torch's to fp32 rounding)",
     "sampler_experts": "the fp32 sampler's experts in one C pass (the grouped path's numbers to fp32 rounding)",
