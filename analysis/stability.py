@@ -14,15 +14,15 @@ second makes the map alone from report folders' committed per-run tables (sittin
                                  update)
     tables/critical.csv          per axis and method: the axis value where the mean change turns negative, with
                                  its 95% CI (analysis.stats.critical_point, t inversion over seeds)
-    tables/kl_matched.csv        the learning-rate axis read at matched per-update KL: per method and KL point,
-                                 the change (mean, CI over seeds) and its paired difference from the reference
-                                 method (GRPO, native routing), with Holm's adjustment
+    tables/kl_matched.csv        each axis read at matched per-update KL: per axis, method and KL point, the
+                                 change (mean, CI over seeds) and its paired difference from the reference method
+                                 (GRPO, native routing), with Holm's adjustment within the axis
     tables/paired_cells.csv      every method against GRPO native in every cell, paired by seed, per endpoint
                                  (T = 1 and greedy change): difference, CI, Holm p, TOST p at MARGIN, verdict
     tables/paired_mdd.csv        per axis and endpoint: the minimum detectable paired difference
     figures/stability_map.png/.pdf
     figures/change_vs_step.png/.pdf   the lr axis's runs: held-out change against set change and KL per update
-    STABILITY.md                 the tables above in words, with the definitions
+    STABILITY.md                 the tables above in words, with the definitions (analysis/stability_text.py)
 
 Definitions (also in docs/analysis.md, "The stability map"):
 - change: the mean of a run's last three held-out evaluations (`eval/reward`, sampled at T = 1) minus its step-0
@@ -38,8 +38,8 @@ Definitions (also in docs/analysis.md, "The stability map"):
   gradients, docs/metrics.md) declined, with change = 0 - start.
 - critical value: where the seed-mean change crosses zero along the axis (log-linear interpolation), with the
   t-inversion CI; -inf / inf when the crossing lies below / above the grid.
-- KL-matched: each seed's change is interpolated, in log per-update KL, at KL points inside the range every method
-  covers on the learning-rate axis; a method "more stable" at matched KL gains more for the same step in policy
+- KL-matched: along each axis, each seed's change is interpolated, in log per-update KL, at KL points inside the
+  range every method covers on that axis; a method "more stable" at matched KL gains more for the same step in policy
   space, which "takes smaller steps" cannot explain.
 - paired: a method and GRPO native with the same seed share the warm start and the step-0 evaluation, so their
   difference is taken per seed (paired t), Holm-adjusted across the pairs of one axis and endpoint; "equivalent"
@@ -400,6 +400,16 @@ def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_point
     return table
 
 
+def kl_matched_axes(frame: pd.DataFrame, fixed: dict, n_points: int = 3, reference: str = REFERENCE) -> pd.DataFrame:
+    """kl_matched along each swept axis, one table with the axis as its first column (Holm within each axis)."""
+    tables = [kl_matched(frame, fixed, axis, n_points, reference).assign(axis=axis) for axis in swept_axes(frame, fixed)]
+    tables = [table for table in tables if len(table)]
+    if not tables:
+        return pd.DataFrame(columns=["axis", *kl_matched(frame, {}, "optim.lr").columns])
+    table = pd.concat(tables, ignore_index=True)
+    return table[["axis", *[c for c in table.columns if c != "axis"]]]
+
+
 @in_paper_style
 def fig_stability_map(cells: pd.DataFrame):
     """One heat map per axis: methods x axis values, colour = mean held-out change (diverging around 0), each cell
@@ -462,92 +472,9 @@ def _log_axis(axis, percent: bool) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
-                       paired: pd.DataFrame | None = None, mdd: pd.DataFrame | None = None,
-                       confirm: tuple[list[int], pd.DataFrame, pd.DataFrame] | None = None, sources: str = "") -> str:
-    """The map in words. `confirm`: (seeds, their paired table, their MDD), the confirmatory comparisons of a
-    protocol that kept the seeds which suggested a hypothesis out of its test, written after the full table.
-    `sources`: a line on which runs the map was made from."""
-    fixed_text = ", ".join(f"`{k}` = {v:g}" for k, v in fixed.items())
-    lines = ["# Stability map", "", "Each axis holds the other fixed at " + fixed_text + ". Definitions: "
-             "analysis/stability.py and docs/analysis.md (\"The stability map\").", "",
-             *([sources, ""] if sources else []),
-             "## Cells", "", "| axis | method | value | seeds | held-out change, T = 1 [95% CI] | "
-             "learned / declined / judged | "
-             "greedy change [95% CI] | median KL per update | set change per update | training reward gain |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in cells.itertuples():
-        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.value:g} | {r.n_seeds} | "
-                     f"{_with_ci(r.change, r.change_ci_low, r.change_ci_high)} | "
-                     f"{r.n_learned} / {r.n_declined} / {r.n_judged} | "
-                     f"{_with_ci(r.greedy_change, r.greedy_change_ci_low, r.greedy_change_ci_high)} | "
-                     f"{r.kl_median:.3g} | {_percent(r.set_change)} | {_with_ci(r.reward_gain, math.nan, math.nan)} |")
-    lines += ["", "## Critical values", "", "| axis | method | seeds | where the change turns negative [95% CI] |",
-              "|---|---|---|---|"]
-    for r in critical.itertuples():
-        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.method} | {r.n_seeds} | {r.critical:.3g} "
-                     f"[{r.ci_low:.3g}, {r.ci_high:.3g}] |")
-    if paired is not None and len(paired):
-        lines += _paired_markdown(paired, mdd)
-    if confirm is not None and len(confirm[1]):
-        lines += _paired_markdown(confirm[1], confirm[2], f"; confirmatory: seeds {', '.join(map(str, confirm[0]))}")
-    lines += ["", f"## At matched per-update KL (learning-rate axis; differences from {REFERENCE}, paired over seeds)",
-              "", "| KL per update | method | seeds | change [95% CI] | minus reference [95% CI] | p (Holm) |",
-              "|---|---|---|---|---|---|"]
-    for r in matched.itertuples():
-        diff = _with_ci(r.diff_vs_reference, r.diff_ci_low, r.diff_ci_high) if math.isfinite(r.diff_vs_reference) else ""
-        p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
-        lines.append(f"| {r.kl:.3g} | {r.method} | {r.n_seeds} | {r.change:+.3f} | {diff} | {p} |")
-    return "\n".join(lines) + "\n"
-
-
-def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None, which: str = "") -> list[str]:
-    lines = ["", f"## Each method against {REFERENCE}, cell by cell (paired by seed{which})", "",
-             f"Paired t; Holm across the pairs of one axis and endpoint; TOST at +-{MARGIN:g} (the margin fixed in "
-             "results/stability/PROTOCOL.md), Holm-adjusted the same way. verdict: better / worse (Holm p < 0.05), "
-             "equivalent (TOST Holm p < 0.05), undecided. rescue: the reference's change has a CI below 0 there and "
-             "the method is better."]
-    if mdd is not None and len(mdd):
-        lines += ["", "Minimum detectable paired difference (80% power, alpha 0.05, pooled sd of the differences): " +
-                  "; ".join(f"{AXES.get(r.axis, r.axis)}, {ENDPOINT_LABELS[r.endpoint]}: {r.mdd:.3f} at "
-                            f"{r.n_pairs} seeds (sd {r.sd_diff:.3f})" for r in mdd.itertuples()) + "."]
-    lines += ["", "| axis | endpoint | value | method | pairs | minus reference [95% CI] | p (Holm) | TOST p (Holm) | "
-              "verdict |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in paired.itertuples():
-        diff = _with_ci(r.diff, r.diff_ci_low, r.diff_ci_high) if math.isfinite(r.diff) else ""
-        p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
-        tost = f"{r.tost_p_holm:.3f}" if math.isfinite(r.tost_p_holm) else ""
-        verdict = r.verdict + (" (rescue)" if r.rescue else "")
-        lines.append(f"| {AXES.get(r.axis, r.axis)} | {ENDPOINT_LABELS[r.endpoint]} | {r.value:g} | {r.method} | "
-                     f"{r.n_pairs} | {diff} | {p} | {tost} | {verdict} |")
-    return lines
-
-
-def _sources_line(folders: list[Path], frame: pd.DataFrame, repeats: int, out: Path) -> str:
-    """Which report folders' per-run tables the map was made from, with their runs (paths relative to `out`)."""
-    import os
-
-    if len(folders) == 1:
-        return f"Made from the per-run tables of `{os.path.relpath(folders[0], out)}/tables` ({len(frame)} runs)."
-    counts = frame["run"].str.split("/", n=1).str[0].value_counts()
-    parts = [f"`{os.path.relpath(folder, out)}` ({int(counts.get(folder.name, 0))} runs)" for folder in folders]
-    return (f"Made from the per-run tables of {', '.join(parts)}, pooled: each run named `<folder>/<run>`; "
-            f"{repeats} repeat(s) of a method, cell and seed in two folders, with the same held-out change, "
-            "counted once.")
-
-
-def _with_ci(value: float, low: float, high: float) -> str:
-    if not math.isfinite(value):
-        return ""
-    return f"{value:+.3f}" + (f" [{low:+.3f}, {high:+.3f}]" if math.isfinite(low) else "")
-
-
-def _percent(value: float) -> str:
-    return f"{100 * value:.2f}%" if math.isfinite(value) else ""
-
-
 def main(argv: list[str] | None = None) -> None:
     from analysis.report import ReportConfig, report
+    from analysis.stability_text import sources_line, stability_markdown
     from experiments.stability import FIXED_LR, FIXED_MINIBATCHES
 
     parser = argparse.ArgumentParser(prog="python -m analysis.stability", description=__doc__,
@@ -582,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
     frame, repeats = pooled_frame(folders)
     fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
     cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
-    matched, paired, mdd = kl_matched(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
+    matched, paired, mdd = kl_matched_axes(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
     tables = (("stability_cells", cells), ("critical", critical), ("kl_matched", matched), ("paired_cells", paired),
               ("paired_mdd", mdd))
     confirm = None
@@ -597,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
         save(fig_stability_map(cells), out / "figures", "stability_map")
     if "optim.lr" in swept_axes(frame, fixed):
         save(fig_change_vs_step(frame, fixed), out / "figures", "change_vs_step")
-    sources = _sources_line(folders, frame, repeats, out)
+    sources = sources_line(folders, frame, repeats, out)
     text = stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm, sources)
     (out / "STABILITY.md").write_text(text, encoding="utf-8")
     print(f"analysis.stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "

@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.stability import (critical_values, fig_stability_map, kl_matched, method_name, run_changes,
-                                stability_cells, stability_markdown, with_methods)
+from analysis.stability import (critical_values, fig_stability_map, kl_matched, kl_matched_axes, method_name,
+                                run_changes, stability_cells, with_methods)
+from analysis.stability_text import stability_markdown
 
 FIXED = {"optim.lr": 5e-5, "minibatches": 4}
 
@@ -84,8 +85,14 @@ def test_cells_critical_values_and_the_kl_matched_reading():
     assert len(r2) == 3 and r2["diff_vs_reference"].abs().max() < 0.02  # same change at the same KL
     by_lr = cells[(cells["axis"] == "optim.lr") & (cells["value"] == 4e-4)].set_index("method")["change"]
     assert by_lr["grpo R2"] - by_lr["grpo native"] == pytest.approx(0.1 * math.log(4), abs=0.02)  # at equal lr
-    text = stability_markdown(cells, critical.reset_index(), matched, FIXED)
+    both = kl_matched_axes(frame, FIXED)
+    assert list(both["axis"].unique()) == ["optim.lr", "minibatches"]
+    for axis in ("optim.lr", "minibatches"):  # each axis's own reading, Holm within the axis
+        own = both[both["axis"] == axis].drop(columns="axis").reset_index(drop=True)
+        pd.testing.assert_frame_equal(own, kl_matched(frame, FIXED, axis), check_dtype=False)
+    text = stability_markdown(cells, critical.reset_index(), both, FIXED)
     assert "## At matched per-update KL" in text and "| learning rate | grpo R2 | 0.0004 | 4 |" in text
+    assert "| learning rate | %.3g | grpo R2 |" % both["kl"].iloc[0] in text
 
 
 def test_a_crossing_inside_the_grid_gets_a_finite_critical_value():
@@ -249,7 +256,7 @@ def test_the_confirmatory_table_uses_only_the_given_seeds():
     confirm = paired_cells(later, FIXED)
     assert set(confirm["n_pairs"]) == {3}
     cells = stability_cells(frame, FIXED)
-    text = stability_markdown(cells, critical_values(frame, FIXED), kl_matched(frame, FIXED), FIXED,
+    text = stability_markdown(cells, critical_values(frame, FIXED), kl_matched_axes(frame, FIXED), FIXED,
                               paired_cells(frame, FIXED), paired_mdd(frame, FIXED),
                               ([1, 2, 3], confirm, paired_mdd(later, FIXED)))
     assert "(paired by seed)" in text and "(paired by seed; confirmatory: seeds 1, 2, 3)" in text
