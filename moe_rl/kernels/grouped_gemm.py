@@ -97,6 +97,9 @@ def short_block_rows(counts_E: torch.Tensor, capacity: int, d_model: int, d_expe
     more than one thread, C below m0)."""
     if torch.is_grad_enabled() or counts_E.device.type != "cpu" or dtype != torch.float32:
         return NotImplemented
+    widths = [(d_model, 2 * d_expert), (d_expert, d_model)]
+    if any(torch_group_sizes(_FORWARD, d_in, d_out) is None for d_in, d_out in widths):
+        return NotImplemented  # grouped_mm would not take the batch call, whose blocks exact_min_block_rows checked
     exact_rows = [exact_min_block_rows(d_model, 2 * d_expert, capacity),
                   exact_min_block_rows(d_expert, d_model, capacity)]
     if None in exact_rows or max(exact_rows) >= capacity:
@@ -237,7 +240,7 @@ def _raise_for_status(status: int, counts_E: torch.Tensor, rows: int) -> None:
 
 
 class ExactPlan(NamedTuple):
-    """The group sizes the C loop (native_kernels.c, exact_products) computes for one product and shape, with MKL's
+    """The group sizes the C loop (native_kernels.c, exact_products) computes for one product and shape, with torch's
     numbers: min_rows <= n_e <= max_rows, a fused multiply-add chain from fused_from rows up."""
 
     min_rows: int
