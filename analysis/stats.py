@@ -374,6 +374,21 @@ def _inverted_t_ci(grid: np.ndarray, values: np.ndarray, log_axis: bool, confide
             return point, point
         return (float(grid[-1]), math.inf) if point > 0 else (-math.inf, float(grid[0]))
     to_axis = np.exp if log_axis else (lambda v: v)
-    low = -math.inf if hits[0] == 0 else float(to_axis(fine[hits[0]]))
-    high = math.inf if hits[-1] == n_points - 1 else float(to_axis(fine[hits[-1]]))
+    low = -math.inf if hits[0] == 0 or not _excludes_zero(values[:, 0], confidence, above=True) \
+        else float(to_axis(fine[hits[0]]))
+    high = math.inf if hits[-1] == n_points - 1 or not _excludes_zero(values[:, -1], confidence, above=False) \
+        else float(to_axis(fine[hits[-1]]))
     return low, high
+
+
+def _excludes_zero(values_S: np.ndarray, confidence: float, above: bool) -> bool:
+    """Whether the t CI of the mean of one grid point's seeds lies wholly above 0 (`above`) or wholly below it.
+    A crossing beyond the grid's top is excluded only where the change at the top is surely negative already,
+    and one below its bottom only where the change at the bottom is surely positive: a change surely positive at
+    the top may still turn negative further up, however the stretches inside the grid read."""
+    values_S = values_S[np.isfinite(values_S)]
+    if len(values_S) < 2:
+        return False
+    half = stats.t.ppf((1 + confidence) / 2, len(values_S) - 1) * values_S.std(ddof=1) / math.sqrt(len(values_S))
+    mean = values_S.mean()
+    return mean - half > 0 if above else mean + half < 0

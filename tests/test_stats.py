@@ -238,5 +238,11 @@ def test_critical_point_beyond_the_grid_is_open_ended():
     near = pd.DataFrame([{"seed": s, "staleness": m, "change": (0.01 if m == 1 else -0.1 * m) + 0.05 * (s - 1)}
                          for s in range(3) for m in (1, 2, 4)])
     assert critical_point(near, "staleness", "change").ci_low == -math.inf
+    # Undecided in the middle, surely positive at the top: the crossing may still lie above the grid.
+    spread = {1: 0.001, 2: 0.02, 4: 0.001}
+    rising = pd.DataFrame([{"seed": s, "staleness": m, "change": {1: 0.05, 2: 0.0, 4: 0.03}[m] + spread[m] * (s - 1)}
+                           for s in range(3) for m in (1, 2, 4)])
+    interval = critical_point(rising, "staleness", "change")
+    assert 1 < interval.ci_low < 2 and interval.ci_high == math.inf
     with pytest.raises(ValueError, match="method"):
         critical_point(near, "staleness", "change", method="bca")
