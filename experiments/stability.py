@@ -34,6 +34,10 @@ and the whole map (198 runs) about 5.5. Run it in several sittings (the sweep re
 at a time; spend extra seeds near each frontier with `--only` (and `--arg seeds=5` in a sweep folder of its own:
 a different grid), as results/stability/PROTOCOL.md did for lr 4e-4.
 Second sitting (2026-12-01/02, same machine): 15-step runs took 230-300 s two at a time at lr 1.6e-3.
+Third sitting (2026-12-02, the staleness axis at lr 2e-4, a 2-core Intel Xeon VM, kernels off and the ISA capped to
+AVX2): 129-256 s per run two at a time, 72 runs in 3.7 core-hours. A warm start rebuilt on another CPU class is
+another model (results/stability/PROTOCOL.md, third addendum), so sittings on different CPU classes are analysed
+apart.
 The deep arm as written (`--arg n_layers=8`) cannot learn here: its own warm start scores 0 of 1,024 seven-term
 prompts at T = 1 and greedy, and one native GRPO run at lr 2e-4 (seed 0) drew 0 reward in all 7,680 training
 samples, so every advantage is 0 (results/README.md, search log). A deep arm needs a regime in which the deeper
