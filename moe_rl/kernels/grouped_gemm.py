@@ -315,8 +315,7 @@ def exact_plan(mode: int, d: int, f: int) -> ExactPlan | None:
     The loop and torch's product run on one group of every checked size, once for each way of rounding the first
     rows (_FUSED_FROM); a plan serves the longest stretch of consecutive checked sizes on which the loop came out
     bit-identical to torch (_longest_agreeing_stretch says which stretches count), and the rounding whose stretch is
-    longest wins. Smaller groups go to MKL's
-    batch call (and torch_group_sizes). A few ms."""
+    longest wins. Smaller groups go to MKL's batch call (and torch_group_sizes). A few ms."""
     counts_E, a, b, by_loop, by_torch = _checked_operands(mode, d, f)
     best = None
     for fused_from in _FUSED_FROM:
