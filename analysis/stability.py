@@ -58,23 +58,19 @@ import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from analysis.aggregate import summarize
+from analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 from analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from analysis.style import group_looks, in_paper_style, new_figure, save
 from moe_rl.errors import DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
-AXES = {"optim.lr": "learning rate", "minibatches": "minibatches per rollout batch"}
 LAST_EVALUATIONS = 3
 FLOOR_SIGMAS = 2.0
-REFERENCE = "grpo native"
 RESULT_STATUSES = ("finished", "diverged")  # moe_rl.runs.claim: the ways a run ends as a result
 CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
                 "n_learned", "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low",
                 "greedy_change_ci_high",
                 "kl_median", "set_change", "churn", "reward_gain"]
-MARGIN = 0.03
-"""The equivalence margin of the paired comparisons (held-out accuracy), fixed before the runs in
-results/stability/PROTOCOL.md."""
 PAIRED_COLUMNS = ["axis", "endpoint", "value", "method", "n_pairs", "diff", "diff_ci_low", "diff_ci_high", "p",
                   "p_holm", "tost_p", "tost_p_holm", "verdict", "reference_ci_high", "rescue"]
 
@@ -106,7 +102,6 @@ def _present(value) -> bool:
 ENDPOINTS = {"change": ("eval/reward", "eval/reward_se"), "greedy_change": ("eval/greedy", "eval/greedy_se")}
 """Per-run change columns and the evaluation metric (with its standard error) each is read from: sampled at T = 1
 (the primary endpoint) and greedy."""
-ENDPOINT_LABELS = {"change": "T = 1", "greedy_change": "greedy"}
 CHANGE_COLUMNS = ["run", "n_after", "start", "change", "floor", "declined", "learned", "greedy_start",
                   "greedy_change", "greedy_floor", "greedy_declined", "greedy_learned"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.stability import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
+from analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 
 
 def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,
