@@ -335,6 +335,29 @@ def test_the_committed_map_is_recomputed_from_its_per_run_tables():
                                pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
 
 
+def test_the_staleness_map_is_recomputed_from_its_per_run_tables():
+    """results/stability/staleness_1 (the third sitting, lr 2e-4): its cells, critical values and paired table
+    follow from its committed per-run rows alone."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "stability" / "staleness_1"
+    tables, fixed = folder / "tables", {"optim.lr": 2e-4, "minibatches": 4}
+    frame, _ = pooled_frame([folder])
+    committed = pd.read_csv(tables / "stability_cells.csv")
+    again = stability_cells(frame, fixed)
+    assert len(again) == len(committed) == 30 and set(again["axis"]) == {"minibatches"}
+    for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
+        np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   equal_nan=True, err_msg=column)
+    critical = critical_values(frame, fixed)
+    np.testing.assert_array_equal(critical[["ci_low", "ci_high"]].to_numpy(float),
+                                  pd.read_csv(tables / "critical.csv")[["ci_low", "ci_high"]].to_numpy(float))
+    np.testing.assert_allclose(paired_cells(frame, fixed)["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+
+
 def test_the_pooled_map_is_recomputed_from_both_sittings_tables():
     """results/stability: the map of both sittings (lr_1, lr_2) from their committed per-run tables alone; the
     second sitting re-ran four of the first's runs, and they agree (else pooled_frame raises)."""
