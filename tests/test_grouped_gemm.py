@@ -172,6 +172,14 @@ needs_c_loop = pytest.mark.skipif(not mkl_available() or not grouped_gemm.c_loop
                                          "kernel build that has them (not MOE_RL_ISA=baseline)")
 
 
+def _random_operands(mode: int, counts_E, d_in: int, d_out: int):
+    """rows, random a and b for the product `mode` over groups of counts_E rows, and an output full of NaN (so that
+    a group the loop skipped shows)."""
+    rows = int(counts_E.sum())
+    a_shape, b_shape, c_shape = grouped_gemm.operand_shapes(mode, rows, counts_E.numel(), d_in, d_out)
+    return rows, torch.randn(a_shape), torch.randn(b_shape), torch.full(c_shape, float("nan"))
+
+
 def _plan_or_skip(mode: int, d_in: int, d_out: int):
     """This machine's plan for the product, or a skip where there is none: where MKL does not sum as one chain (seen
     with MKL's AVX2 kernels on an Intel Xeon) the loop must not serve, and test_c_loop_stays_within_the_float64_bound
@@ -207,12 +215,7 @@ def test_c_loop_gives_torch_numbers_at_every_group_size_of_its_plan(d_in, d_out,
     plan = _plan_or_skip(mode, d_in, d_out)
     assert plan.min_rows <= 4 and plan.max_rows >= 96, plan
     counts_E = torch.arange(plan.min_rows, plan.max_rows + 1)
-    rows = int(counts_E.sum())
-    shapes = {0: ((rows, d_in), (counts_E.numel(), d_in, d_out), (rows, d_out)),
-              1: ((rows, d_out), (counts_E.numel(), d_in, d_out), (rows, d_in)),
-              2: ((rows, d_in), (rows, d_out), (counts_E.numel(), d_in, d_out))}[mode]
-    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
-    by_loop = torch.full(shapes[2], float("nan"))
+    rows, a, b, by_loop = _random_operands(mode, counts_E, d_in, d_out)
     assert _exact_products(mode, counts_E, rows, d_in, d_out, a, b, by_loop, plan) == 0  # it took every group
     assert torch.equal(by_loop, _torch_products(mode, counts_E, a, b))
 
@@ -293,12 +296,7 @@ def test_c_loop_stays_within_the_float64_bound(mode, fused_from):
 
     d_in, d_out = 64, 32
     counts_E = torch.tensor([*range(0, 201), 256, 512, 1024])
-    rows = int(counts_E.sum())
-    shapes = {0: ((rows, d_in), (counts_E.numel(), d_in, d_out), (rows, d_out)),
-              1: ((rows, d_out), (counts_E.numel(), d_in, d_out), (rows, d_in)),
-              2: ((rows, d_in), (rows, d_out), (counts_E.numel(), d_in, d_out))}[mode]
-    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
-    by_loop = torch.full(shapes[2], float("nan"))
+    rows, a, b, by_loop = _random_operands(mode, counts_E, d_in, d_out)
     plan = ExactPlan(0 if mode == 2 else 1, 1024, fused_from)
     assert _exact_products(mode, counts_E, rows, d_in, d_out, a, b, by_loop, plan) == 0
     exact, magnitude = (_float64_products(mode, counts_E, a.double().abs() if absolute else a.double(),

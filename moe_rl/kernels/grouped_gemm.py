@@ -182,8 +182,7 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
         raise ValueError("the MKL grouped matmul needs contiguous operands")
     counts_E = counts_E.to(torch.int64).contiguous()
     rows, E = a.shape[0], counts_E.numel()
-    expected = {_FORWARD: ((rows, D), (E, D, F), (rows, F)), _INPUT_GRAD: ((rows, F), (E, D, F), (rows, D)),
-                _WEIGHT_GRAD: ((rows, D), (rows, F), (E, D, F))}[mode]
+    expected = operand_shapes(mode, rows, E, D, F)
     shapes = tuple(tuple(t.shape) for t in (a, b, c))
     if shapes != expected:
         raise ValueError(f"grouped matmul operands of shapes {shapes}, expected {expected}")
@@ -202,6 +201,13 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     redo = [size for size in sizes or () if not skip_min_rows <= size <= skip_max_rows]
     if redo:
         _torch_products_of(mode, counts_E, a, b, c, torch.isin(counts_E, torch.tensor(redo)))
+
+
+def operand_shapes(mode: int, rows: int, experts: int, d: int, f: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a, b and c in the products of `mode` (native_kernels.c, expert_sgemm): x @ w, grad @ w^T, and
+    x^T @ grad per expert."""
+    return {_FORWARD: ((rows, d), (experts, d, f), (rows, f)), _INPUT_GRAD: ((rows, f), (experts, d, f), (rows, d)),
+            _WEIGHT_GRAD: ((rows, d), (rows, f), (experts, d, f))}[mode]
 
 
 def _torch_products(mode: int, counts_E: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -282,8 +288,7 @@ def _checked_operands(mode: int, d: int, f: int):
     counts_E = torch.tensor(_CHECKED_SIZES, dtype=torch.int64)
     rows, E = int(counts_E.sum()), counts_E.numel()
     generator = torch.Generator().manual_seed(0)
-    shapes = {_FORWARD: ((rows, d), (E, d, f), (rows, f)), _INPUT_GRAD: ((rows, f), (E, d, f), (rows, d)),
-              _WEIGHT_GRAD: ((rows, d), (rows, f), (E, d, f))}[mode]
+    shapes = operand_shapes(mode, rows, E, d, f)
     a, b = (torch.randn(shape, generator=generator) for shape in shapes[:2])
     return counts_E, a, b, torch.zeros(shapes[2]), _torch_products(mode, counts_E, a, b)
 
