@@ -43,7 +43,8 @@ Definitions (also in docs/analysis.md, "The stability map"):
   space, which "takes smaller steps" cannot explain.
 - paired: a method and GRPO native with the same seed share the warm start and the step-0 evaluation, so their
   difference is taken per seed (paired t), Holm-adjusted across the pairs of one axis and endpoint; "equivalent"
-  only from TOST at +-MARGIN, fixed before the runs (results/stability/PROTOCOL.md).
+  only from TOST at +-MARGIN, fixed before the runs (results/stability/PROTOCOL.md). A verdict needs 3 seeds or
+  more: with 2, the pair's p-values are reported and its verdict is "too few seeds".
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ from moe_rl.errors import DataError
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
 LAST_EVALUATIONS = 3
 FLOOR_SIGMAS = 2.0
+# A verdict (better, worse, equivalent) rests on at least 3 seeds. With 2 the paired t has one degree of freedom and
+# its sd is one difference of two numbers: accuracies on a finite prompt set are discrete, so two seeds can give the
+# same difference by chance, and sd 0 reads as p = 0 (the staleness axis's first 2-seed table had one such "better").
+MIN_PAIRS_FOR_VERDICT = 3
 RESULT_STATUSES = ("finished", "diverged")  # moe_rl.runs.claim: the ways a run ends as a result
 CELL_COLUMNS = ["axis", "method", "value", "n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined",
                 "n_learned", "n_judged", "decline_prob", "greedy_change", "greedy_change_ci_low",
@@ -259,7 +264,8 @@ def paired_cells(frame: pd.DataFrame, fixed: dict, reference: str = REFERENCE, m
     """Every method against `reference` in every cell of each swept axis, paired by seed, per endpoint (the T = 1
     change and the greedy change): the mean paired difference with its t CI and p, Holm's adjustment across the
     pairs of one axis and endpoint, TOST at +-`margin` (Holm-adjusted the same way), and a verdict: "better" or
-    "worse" (Holm p < 0.05), "equivalent" (TOST Holm p < 0.05), else "undecided". `rescue`: the reference's change
+    "worse" (Holm p < 0.05), "equivalent" (TOST Holm p < 0.05), else "undecided"; "too few seeds" below
+    MIN_PAIRS_FOR_VERDICT pairs, "untested" below 2. `rescue`: the reference's change
     in that cell has a 95% CI below 0 and the method is "better" there (results/stability/PROTOCOL.md)."""
     rows = []
     for axis in swept_axes(frame, fixed):
@@ -298,6 +304,8 @@ def paired_cells(frame: pd.DataFrame, fixed: dict, reference: str = REFERENCE, m
 def _verdict(row) -> str:
     if not math.isfinite(row.p_holm):
         return "untested"
+    if row.n_pairs < MIN_PAIRS_FOR_VERDICT:
+        return "too few seeds"
     if row.p_holm < ALPHA:
         return "better" if row.diff > 0 else "worse"
     if math.isfinite(row.tost_p_holm) and row.tost_p_holm < ALPHA:

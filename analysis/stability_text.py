@@ -56,8 +56,8 @@ def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None, which: str 
     lines = ["", f"## Each method against {REFERENCE}, cell by cell (paired by seed{which})", "",
              f"Paired t; Holm across the pairs of one axis and endpoint; TOST at +-{MARGIN:g} (the margin fixed in "
              "results/stability/PROTOCOL.md), Holm-adjusted the same way. verdict: better / worse (Holm p < 0.05), "
-             "equivalent (TOST Holm p < 0.05), undecided. rescue: the reference's change has a CI below 0 there and "
-             "the method is better."]
+             "equivalent (TOST Holm p < 0.05), undecided; a verdict needs 3 seeds or more (too few seeds: 2, untested: "
+             "1). rescue: the reference's change has a CI below 0 there and the method is better."]
     if mdd is not None and len(mdd):
         lines += ["", "Minimum detectable paired difference (80% power, alpha 0.05, pooled sd of the differences): " +
                   "; ".join(f"{AXES.get(r.axis, r.axis)}, {ENDPOINT_LABELS[r.endpoint]}: {r.mdd:.3f} at "

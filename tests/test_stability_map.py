@@ -170,6 +170,25 @@ def test_a_pair_without_enough_seeds_is_untested_and_noise_is_undecided():
     assert paired.loc[("change", 4e-4, "gspo native"), "verdict"] == "undecided"
 
 
+def test_two_seeds_whose_differences_coincide_give_no_verdict():
+    """Two seeds with the same paired difference (discrete accuracies make it likely) have sd 0, which the paired t
+    reads as p ~ 0; a verdict needs 3 seeds, so the pair reads "too few seeds", and a third seed makes it a test."""
+    from analysis.stability import paired_cells
+
+    def frame(starts):
+        return pd.DataFrame([{"method": method, "optim.lr": 2e-4, "minibatches": minibatches, "seed": seed,
+                              "change": start + lift, "greedy_change": start + lift}
+                             for minibatches in (2, 4) for seed, start in enumerate(starts)
+                             for method, lift in (("grpo native", 0.0), ("grpo R3", 0.024))])
+
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    two = paired_cells(frame([0.026, 0.006]), fixed)
+    assert len(two) == 4 and (two["p"] < 1e-12).all()  # the degenerate t: zero spread, certain
+    assert set(two["verdict"]) == {"too few seeds"}
+    three = paired_cells(frame([0.026, 0.006, 0.011]), fixed)
+    assert set(three["verdict"]) == {"better"} and (three["n_pairs"] == 3).all()
+
+
 def test_the_minimum_detectable_difference_uses_the_pooled_sd_of_the_differences():
     from analysis.stability import paired_mdd
     from analysis.stats import mdd_paired
