@@ -37,11 +37,14 @@ Second sitting (2026-12-01/02, same machine): 15-step runs took 230-300 s two at
 Third sitting (2026-12-02, the staleness axis at lr 2e-4, a 2-core Intel Xeon VM, kernels off and the ISA capped to
 AVX2): 129-256 s per run two at a time, 72 runs in 3.7 core-hours. A warm start rebuilt on another CPU class is
 another model (results/stability/PROTOCOL.md, third addendum), so sittings on different CPU classes are analysed
-apart.
+apart. Fourth sitting (2026-12-02, the same Xeon class and caps, seed 2 at 1, 2 and 4 minibatches): 123-220 s per
+run two at a time, 18 runs in 0.85 core-hours; the warm start rebuilt there gave the third sitting's numbers.
 The deep arm as written (`--arg n_layers=8`) cannot learn here: its own warm start scores 0 of 1,024 seven-term
 prompts at T = 1 and greedy, and one native GRPO run at lr 2e-4 (seed 0) drew 0 reward in all 7,680 training
-samples, so every advantage is 0 (results/README.md, search log). A deep arm needs a regime in which the deeper
-warm start solves some 7-term problems (or a training mix of 4-7 terms); not yet built.
+samples, so every advantage is 0 (results/README.md, search log). Trained on the 4-7-term mix instead (`--set
+task.min_terms=4`), one such run learned on the mix at T = 1 but still solved 0 of 1,024 seven-term prompts after
+15 steps (search log, item 5). A deep arm needs a deeper warm start that solves some 7-term problems; not yet
+built.
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 

@@ -377,6 +377,33 @@ def test_the_staleness_map_is_recomputed_from_its_per_run_tables():
                                pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
 
 
+def test_the_pooled_staleness_axis_is_recomputed_from_both_sittings_tables():
+    """results/stability/staleness: the staleness axis from the third and fourth sittings' per-run tables; the fourth
+    re-ran one of the third's runs (the pooling check of PROTOCOL.md's fourth addendum), and they agree (else
+    pooled_frame raises). Every cell has 3 seeds."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    frame, repeats = pooled_frame([root / "staleness_1", root / "staleness_2"])
+    assert repeats == 1 and len(frame) == 90
+    tables = root / "staleness" / "tables"
+    committed = pd.read_csv(tables / "stability_cells.csv")
+    again = stability_cells(frame, fixed)
+    assert len(again) == 30 and set(again["n_seeds"]) == {3}
+    for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
+        np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   equal_nan=True, err_msg=column)
+    np.testing.assert_array_equal(critical_values(frame, fixed)[["ci_low", "ci_high"]].to_numpy(float),
+                                  pd.read_csv(tables / "critical.csv")[["ci_low", "ci_high"]].to_numpy(float))
+    paired = paired_cells(frame, fixed)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+    assert set(paired["verdict"]) == {"equivalent", "undecided"}
+
+
 def test_the_pooled_map_is_recomputed_from_both_sittings_tables():
     """results/stability: the map of both sittings (lr_1, lr_2) from their committed per-run tables alone; the
     second sitting re-ran four of the first's runs, and they agree (else pooled_frame raises)."""
