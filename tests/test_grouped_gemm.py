@@ -325,3 +325,26 @@ def test_c_loop_refuses_widths_it_cannot_vectorise_and_counts_that_do_not_add_up
     with pytest.raises(ValueError, match="sum to 8, but x has 9 rows"):
         grouped_gemm._exact_products(grouped_gemm._FORWARD, counts_E, 9, 64, 64, torch.randn(9, 64),
                                      torch.randn(2, 64, 64), torch.empty(9, 64), plan)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_torch_recomputes_the_chosen_experts_of_any_size_in_place(mode):
+    """_torch_products_of overwrites the chosen experts' part of c with torch's products and leaves the others: groups
+    of one row (their rows are their starts) and of several (the general path), on every CPU."""
+    counts_E = torch.tensor([3, 1, 0, 5, 1, 2, 1])
+    rows, E, d, f = int(counts_E.sum()), counts_E.numel(), 16, 8
+    a, b = (torch.randn(shape) for shape in grouped_gemm.operand_shapes(mode, rows, E, d, f)[:2])
+    expected = grouped_gemm._torch_products(mode, counts_E, a, b)
+    for chosen in ([1, 4, 6], [0, 3, 4], [2, 5]):
+        chosen_E = torch.zeros(E, dtype=torch.bool)
+        chosen_E[chosen] = True
+        c = torch.full(grouped_gemm.operand_shapes(mode, rows, E, d, f)[2], float("nan"))
+        grouped_gemm._torch_products_of(mode, counts_E, a, b, c, chosen_E)
+        ends_E = counts_E.cumsum(0)
+        for e in range(E):
+            ours, torchs = (c[e], expected[e]) if mode == 2 else (c[ends_E[e] - counts_E[e]:ends_E[e]],
+                                                                     expected[ends_E[e] - counts_E[e]:ends_E[e]])
+            if chosen_E[e]:
+                assert torch.equal(ours, torchs), (chosen, e)
+            else:
+                assert bool(ours.isnan().all()), (chosen, e)

@@ -200,7 +200,8 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     sizes = torch_group_sizes(mode, D, F)
     redo = [size for size in sizes or () if not skip_min_rows <= size <= skip_max_rows]
     if redo:
-        _torch_products_of(mode, counts_E, a, b, c, torch.isin(counts_E, torch.tensor(redo)))
+        chosen_E = counts_E == redo[0] if len(redo) == 1 else torch.isin(counts_E, torch.tensor(redo))
+        _torch_products_of(mode, counts_E, a, b, c, chosen_E)
 
 
 def operand_shapes(mode: int, rows: int, experts: int, d: int, f: int) -> tuple[tuple[int, ...], ...]:
@@ -227,13 +228,22 @@ def _torch_products_of(mode: int, counts_E, a, b, c, chosen_E: torch.Tensor) -> 
     experts_S = chosen_E.nonzero().squeeze(1)
     if experts_S.numel() == 0:
         return
-    expert_of_row_N = torch.repeat_interleave(torch.arange(counts_E.numel()), counts_E)
-    rows_R = chosen_E[expert_of_row_N].nonzero().squeeze(1)  # the chosen experts' rows, in order
     counts_S = counts_E[experts_S]
+    rows_R = _group_rows(counts_E.cumsum(0)[experts_S] - counts_S, counts_S)
     if mode == _WEIGHT_GRAD:
         c[experts_S] = _torch_products(mode, counts_S, a[rows_R], b[rows_R])
     else:
         c[rows_R] = _torch_products(mode, counts_S, a[rows_R], b[experts_S])
+
+
+def _group_rows(starts_S: torch.Tensor, counts_S: torch.Tensor) -> torch.Tensor:
+    """The rows of groups that start at starts_S and hold counts_S rows each, in order. The groups torch computes
+    again are mostly of one row (a decode step's experts), whose rows are their starts."""
+    if bool((counts_S == 1).all()):
+        return starts_S
+    ends_S = counts_S.cumsum(0)
+    within_R = torch.arange(int(ends_S[-1])) - torch.repeat_interleave(ends_S - counts_S, counts_S)
+    return torch.repeat_interleave(starts_S, counts_S) + within_R
 
 
 def _raise_for_status(status: int, counts_E: torch.Tensor, rows: int) -> None:
