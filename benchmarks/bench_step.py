@@ -5,8 +5,8 @@ rollout step and `--steps` measured ones (3 by default, the contenders of a shap
 so that the machine's drift falls on all of them alike), 16 prompts x 8 completions and 4 minibatches, and splits
 each measured step with the trainer's own `time/*` metrics (docs/metrics.md) into: sample (generation and scoring),
 old pass, updates (forward, backward, clipping), optimizer (AdamW and scheduler), probes (rollout-level and
-per-update). The whole step's wall and CPU time are measured around `rl_step`. The model is freshly initialised (no warm start), so
-completions are random text; this times the machinery, not learning.
+per-update). The whole step's wall and CPU time are measured around `rl_step`. The model is freshly initialised (no
+warm start), so completions are random text; this times the machinery, not learning.
 
     python -m benchmarks.bench_step            # tiny and paper shapes (a few minutes on a quiet CPU)
     python -m benchmarks.bench_step --quick    # tiny shape only
@@ -99,7 +99,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "seconds from the trainer's time/* metrics (its clock swapped for process time); the last two columns "
              "time the whole "
              "step (wall and CPU of this process; on a loaded machine wall exceeds CPU). The contenders of a shape "
-             "take turns, one rollout step each, after a warm-up step each; medians over the measured steps. CPU class {cpu_class()}; 'measured' runs the kernel families this machine's measurement chose "
+             "take turns, one rollout step each, after a warm-up step each; medians over the measured steps. "
+             f"CPU class {cpu_class()}; 'measured' runs the kernel families this machine's measurement chose "
              "(below), 'none' the torch code everywhere (MOE_RL_NATIVE=0). GPU benchmark: `make gpu-check`.", "",
              *kernels_lines(), "",
              "| shape | kernels | probe rows | " + " | ".join(PHASES) + " | probes share | step wall | step CPU |",
