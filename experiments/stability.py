@@ -39,12 +39,14 @@ AVX2): 129-256 s per run two at a time, 72 runs in 3.7 core-hours. A warm start 
 another model (results/stability/PROTOCOL.md, third addendum), so sittings on different CPU classes are analysed
 apart. Fourth sitting (2026-12-02, the same Xeon class and caps, seed 2 at 1, 2 and 4 minibatches): 123-220 s per
 run two at a time, 18 runs in 0.85 core-hours; the warm start rebuilt there gave the third sitting's numbers.
-The deep arm as written (`--arg n_layers=8`) cannot learn here: its own warm start scores 0 of 1,024 seven-term
-prompts at T = 1 and greedy, and one native GRPO run at lr 2e-4 (seed 0) drew 0 reward in all 7,680 training
-samples, so every advantage is 0 (results/README.md, search log). Trained on the 4-7-term mix instead (`--set
-task.min_terms=4`), one such run learned on the mix at T = 1 but still solved 0 of 1,024 seven-term prompts after
-15 steps (search log, item 5). A deep arm needs a deeper warm start that solves some 7-term problems; not yet
-built.
+The deep arm with the regime's task (`--arg n_layers=8`) cannot learn: its own warm start scores 0 of 1,024
+seven-term prompts at T = 1 and greedy, so every group's rewards are equal and every advantage is 0
+(results/README.md, search log, items 4-5). The deep arm is therefore one term further on both sides, the 4-block
+regime's lever shifted by one: the warm start trained on 4-7-term sums, RL on 8-term sums (`--arg n_layers=8
+terms=8 warm_start_terms=7`; 64 + 8 new tokens). That warm start solves 0.463 of 7-term sums at its best
+temperature (no room above it), 0.104 of 8-term sums and none of 9-term sums (search log, items 6-7).
+
+    moe-rl sweep stability --arg axes=lr n_layers=8 terms=8 warm_start_terms=7 --workers 2    # the deep arm
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
@@ -56,7 +58,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment, product, union
 
 from experiments.correction import ICEPOP, LABELS as CORRECTION_LABELS, TIS
-from experiments.length_generalisation import length_generalisation
+from experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
 
 METHODS = {
     "grpo": {"routing_mode": "native"},
@@ -76,24 +78,36 @@ AXES = ("both", "lr", "staleness")
 
 
 def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
-              n_layers: int = 0) -> Experiment:
-    """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`;
-    `n_layers` 0 keeps the regime's 4 MoE blocks."""
+              n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0) -> Experiment:
+    """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`.
+    0 keeps the regime's value: `n_layers` its 4 MoE blocks, `terms` its RL problems' length (7 on cpu),
+    `warm_start_terms` the longest sums the warm start is trained on (6 on cpu)."""
     chosen = _methods(methods)
     if axes not in AXES:
         raise ConfigError(f"axes={axes!r} must be one of {', '.join(AXES)}")
     lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in LRS]
     staleness_cells = [{"optim.lr": FIXED_LR, "minibatches": m} for m in MINIBATCHES]
     cells = union(*({"both": (lr_cells, staleness_cells), "lr": (lr_cells,), "staleness": (staleness_cells,)}[axes]))
-    regime = length_generalisation(scale, seeds=1, steps=steps)
-    base = regime.base
+    regime = length_generalisation(scale, seeds=1, steps=steps, terms=terms)
+    base, warmstart = regime.base, regime.warmstart
     if n_layers:
         base = replace(base, model=replace(base.model, n_layers=n_layers))
+    if terms:
+        base = replace(base, rollout=replace(base.rollout, sampling=replace(
+            base.rollout.sampling, max_new_tokens=answer_room(scale, terms))))
+    if warm_start_terms:
+        warmstart = replace(warmstart, task=replace(warmstart.task, max_terms=warm_start_terms))
     # Evaluations at 0, 5, 10, 15: a decline is judged over at least three after the start.
     base = replace(base, log=replace(base.log, eval_every=5))
     # Seed first: a sweep stopped part way leaves whole seeds of every cell, the pairs the comparisons need.
     grid = product([{"seed": s} for s in range(seeds)], cells, [METHODS[m] for m in chosen])
-    return Experiment(base, grid, warmstart=regime.warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS)
+    return Experiment(base, grid, warmstart=warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS)
+
+
+def answer_room(scale: str, terms: int) -> int:
+    """New tokens for a `terms`-term worked answer: the regime's room at its own length plus 8 per further term (a
+    worked step of one-digit terms takes 6-8 characters)."""
+    return MAX_NEW_TOKENS[scale] + 8 * max(terms - TERMS[scale], 0)
 
 
 def _methods(methods: str) -> list[str]:

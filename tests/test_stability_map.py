@@ -422,3 +422,29 @@ def test_the_pooled_map_is_recomputed_from_both_sittings_tables():
     critical = critical_values(frame, FIXED)
     np.testing.assert_allclose(critical["critical"].to_numpy(float),
                                pd.read_csv(root / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
+
+
+def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_start():
+    """`--arg n_layers=8 terms=8 warm_start_terms=7` plans the runs the fifth sitting made with `--set` (8-term RL
+    problems with room for the answer, a warm start on 4-7-term sums), down to the warm start's key, the name
+    results/stability/deep8_* carry."""
+    from moe_rl.sweep.command import plan_sweep
+
+    from experiments.stability import stability
+
+    arguments = {"axes": "lr", "n_layers": 8, "methods": "grpo"}
+    by_arguments = plan_sweep(stability, "sweeps/x", {**arguments, "terms": 8, "warm_start_terms": 7})
+    by_sets = plan_sweep(stability, "sweeps/x", arguments, {"sft.task.max_terms": 7, "task.min_terms": 8,
+                                                            "task.max_terms": 8,
+                                                            "rollout.sampling.max_new_tokens": 72})
+    assert [run.config for run in by_arguments.runs] == [run.config for run in by_sets.runs]
+    assert list(by_arguments.warmstarts) == list(by_sets.warmstarts) == ["L8-E64-K8-D64-fa72a8a6"]
+    run = by_arguments.runs[0].config
+    assert (run.task.min_terms, run.task.max_terms, run.rollout.sampling.max_new_tokens) == (8, 8, 72)
+    warm = by_arguments.warmstarts["L8-E64-K8-D64-fa72a8a6"]
+    assert (warm.task.min_terms, warm.task.max_terms, warm.model.n_layers) == (4, 7, 8)
+    # Left at 0, the arguments change nothing: the map's own runs and warm start.
+    default, zero = plan_sweep(stability, "sweeps/x", {"axes": "lr"}), plan_sweep(
+        stability, "sweeps/x", {"axes": "lr", "terms": 0, "warm_start_terms": 0})
+    assert [r.config for r in default.runs] == [r.config for r in zero.runs]
+    assert list(default.warmstarts) == ["L4-E64-K8-D64-1834c7e2"]
