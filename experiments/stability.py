@@ -39,6 +39,9 @@ AVX2): 129-256 s per run two at a time, 72 runs in 3.7 core-hours. A warm start 
 another model (results/stability/PROTOCOL.md, third addendum), so sittings on different CPU classes are analysed
 apart. Fourth sitting (2026-12-02, the same Xeon class and caps, seed 2 at 1, 2 and 4 minibatches): 123-220 s per
 run two at a time, 18 runs in 0.85 core-hours; the warm start rebuilt there gave the third sitting's numbers.
+Fifth sitting (2026-12-03, the same class and caps, the 8-block arm): 7-term 15-step runs of 211-248 s one at a time
+beside other work; 8-term runs of 263-575 s (15 steps) and 506-539 s (30 steps) two or three at a time; the
+8-block warm start 392 s.
 The deep arm with the regime's task (`--arg n_layers=8`) cannot learn: its own warm start scores 0 of 1,024
 seven-term prompts at T = 1 and greedy, so every group's rewards are equal and every advantage is 0
 (results/README.md, search log, items 4-5). The deep arm is therefore one term further on both sides, the 4-block
