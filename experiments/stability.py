@@ -91,7 +91,7 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in LRS]
     staleness_cells = [{"optim.lr": FIXED_LR, "minibatches": m} for m in MINIBATCHES]
     cells = union(*({"both": (lr_cells, staleness_cells), "lr": (lr_cells,), "staleness": (staleness_cells,)}[axes]))
-    regime = length_generalisation(scale, seeds=1, steps=steps, terms=terms)
+    regime = length_generalisation(scale, seeds=1, steps=steps, terms=terms and _checked_terms("terms", terms, 2))
     base, warmstart = regime.base, regime.warmstart
     if n_layers:
         base = replace(base, model=replace(base.model, n_layers=n_layers))
@@ -99,12 +99,19 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
         base = replace(base, rollout=replace(base.rollout, sampling=replace(
             base.rollout.sampling, max_new_tokens=answer_room(scale, terms))))
     if warm_start_terms:
-        warmstart = replace(warmstart, task=replace(warmstart.task, max_terms=warm_start_terms))
+        warmstart = replace(warmstart, task=replace(warmstart.task, max_terms=_checked_terms(
+            "warm_start_terms", warm_start_terms, warmstart.task.min_terms)))
     # Evaluations at 0, 5, 10, 15: a decline is judged over at least three after the start.
     base = replace(base, log=replace(base.log, eval_every=5))
     # Seed first: a sweep stopped part way leaves whole seeds of every cell, the pairs the comparisons need.
     grid = product([{"seed": s} for s in range(seeds)], cells, [METHODS[m] for m in chosen])
     return Experiment(base, grid, warmstart=warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS)
+
+
+def _checked_terms(name: str, value: int, fewest: int) -> int:
+    if value < fewest:
+        raise ConfigError(f"{name}={value} must be 0 (the regime's) or at least {fewest}")
+    return value
 
 
 def answer_room(scale: str, terms: int) -> int:

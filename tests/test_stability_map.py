@@ -450,26 +450,39 @@ def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_st
     assert list(default.warmstarts) == ["L4-E64-K8-D64-1834c7e2"]
 
 
-def test_the_deep_arms_failure_cell_is_recomputed_from_its_per_run_tables():
-    """results/stability/deep8_cell: the fifth sitting's 4e-4 cell on 7-term sums pooled with the probe's runs; the
-    re-run of the probe's R3 seed-0 run agrees (else pooled_frame raises), every method has 3 seeds there and every
-    one of those 18 runs declined."""
+@pytest.mark.parametrize("cell, probe, lr, declined", [("deep8_cell", "deep8_sft47_probe", 4e-4, 3),
+                                                       ("deep8_8terms_cell", "deep8_8terms_probe", 2e-4, 0)])
+def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, probe, lr, declined):
+    """results/stability/deep8_cell (7-term sums, lr 4e-4) and deep8_8terms_cell (8-term sums, lr 2e-4), each pooled
+    with the probe one of its runs repeats (else pooled_frame raises): every method has 3 seeds in the cell, the
+    committed cells and Holm p-values follow from the per-run rows, and no pair is a rescue or "better"."""
     from pathlib import Path
 
     from analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[1] / "results" / "stability"
-    frame, repeats = pooled_frame([root / "deep8_cell", root / "deep8_sft47_probe"])
-    assert repeats == 1 and len(frame) == 19
-    tables = root / "deep8_cell" / "tables"
+    frame, repeats = pooled_frame([root / cell, root / probe])
+    assert repeats == 1
+    tables = root / cell / "tables"
     committed = pd.read_csv(tables / "stability_cells.csv")
     again = stability_cells(frame, FIXED)
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
         np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                    equal_nan=True, err_msg=column)
-    failure = again[np.isclose(again["value"], 4e-4)]
-    assert len(failure) == 6 and set(failure["n_seeds"]) == {3} and set(failure["n_declined"]) == {3}
+    at_lr = again[np.isclose(again["value"], lr)]
+    assert len(at_lr) == 6 and set(at_lr["n_seeds"]) == {3} and set(at_lr["n_declined"]) == {declined}
     paired = paired_cells(frame, FIXED)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
                                pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
-    assert not paired["rescue"].any()
+    assert not paired["rescue"].any() and set(paired["verdict"]) == {"undecided"}
+
+
+def test_the_deep_arms_arguments_name_themselves_when_out_of_range():
+    from moe_rl.errors import ConfigError
+
+    from experiments.stability import stability
+
+    with pytest.raises(ConfigError, match="terms=1 must be 0"):
+        stability(terms=1)
+    with pytest.raises(ConfigError, match="warm_start_terms=3 must be 0 .* at least 4"):
+        stability(warm_start_terms=3)
