@@ -486,3 +486,32 @@ def test_the_deep_arms_arguments_name_themselves_when_out_of_range():
         stability(terms=1)
     with pytest.raises(ConfigError, match="warm_start_terms=3 must be 0 .* at least 4"):
         stability(warm_start_terms=3)
+
+
+def test_the_deep_arms_60_step_regime_test_continues_the_30_step_runs_and_misses_the_criterion():
+    """results/stability/deep8_8terms_60 holds the five 30-step runs of deep8_8terms continued to step 60 (a resume
+    with total_steps=60): their evaluations up to step 30 are the 30-step runs' to the bit, and the committed
+    difference from the best-temperature baseline follows from the per-run rows: a CI above 0 at T = 1 but a mean
+    below the criterion's 0.05, so issue 26's item 1 is not met there; greedy beats its baseline."""
+    from pathlib import Path
+
+    from analysis.baseline import against_baseline
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    short = pd.read_csv(root / "deep8_8terms" / "tables" / "per_run_eval.csv")
+    long = pd.read_csv(root / "deep8_8terms_60" / "tables" / "per_run_eval.csv")
+    assert sorted(long["seed"].unique()) == [1, 2, 3, 4, 5] and long["step"].max() == 60
+    columns = ["run", "seed", "step", "eval/reward", "eval/greedy"]
+    head = long[long["step"] <= 30][columns].sort_values(["seed", "step"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(head, short[columns].sort_values(["seed", "step"]).reset_index(drop=True))
+
+    committed = pd.read_csv(root / "deep8_8terms_60" / "tables" / "against_baseline.csv").set_index("decoding")
+    baseline = {"heldout": committed.loc["sampled", "baseline"], "heldout_se": committed.loc["sampled", "baseline_se"],
+                "greedy": committed.loc["greedy", "baseline"], "greedy_se": committed.loc["greedy", "baseline_se"]}
+    per_run = pd.read_csv(root / "deep8_8terms_60" / "tables" / "per_run_final.csv")
+    again = against_baseline(per_run, baseline).set_index("decoding")
+    for column in ("final", "diff", "ci_low", "ci_high"):
+        np.testing.assert_allclose(again[column], committed[column], rtol=1e-12, err_msg=column)
+    sampled, greedy = again.loc["sampled"], again.loc["greedy"]
+    assert sampled["ci_low"] > 0 and sampled["diff"] < 0.05  # beats the baseline, but by less than item 1 asks
+    assert greedy["ci_low"] > 0
