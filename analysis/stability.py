@@ -39,7 +39,8 @@ Definitions (also in docs/analysis.md, "The stability map"):
 - critical value: where the seed-mean change crosses zero along the axis (log-linear interpolation), with the
   t-inversion CI; -inf / inf when the crossing lies below / above the grid.
 - KL-matched: along each axis, each seed's change is interpolated, in log per-update KL, at KL points inside the
-  range every method covers on that axis; a method "more stable" at matched KL gains more for the same step in policy
+  range every method run at two or more values covers on that axis (a method at one value has no curve and takes
+  no part); a method "more stable" at matched KL gains more for the same step in policy
   space, which "takes smaller steps" cannot explain.
 - paired: a method and GRPO native with the same seed share the warm start and the step-0 evaluation, so their
   difference is taken per seed (paired t), Holm-adjusted across the pairs of one axis and endpoint; "equivalent"
@@ -357,7 +358,9 @@ def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_point
                reference: str = REFERENCE) -> pd.DataFrame:
     """The `axis` runs read at matched per-update KL (see the module docstring): per KL point and method, the change
     (mean and CI over seeds) and the paired difference from `reference` (paired t over the seeds both have, Holm
-    across the table's rows). KL points: n_points log-spaced inside the range every method's seed-mean KL covers."""
+    across the table's rows). KL points: n_points log-spaced inside the range that every method measured at two or
+    more axis values covers with its seed-mean KL; a method at one axis value has no curve to read, so it takes no
+    part (and does not shrink the range to its one point). Empty without GRPO native and one other such method."""
     columns = ["kl", "method", "n_seeds", "change", "ci_low", "ci_high", "diff_vs_reference", "diff_ci_low",
                "diff_ci_high", "p", "p_holm"]
     if axis not in swept_axes(frame, fixed):
@@ -365,6 +368,10 @@ def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_point
     runs = axis_runs(frame, axis, fixed).dropna(subset=["change", "kl_median"])
     runs = runs[runs["kl_median"] > 0]
     if runs.empty:
+        return pd.DataFrame(columns=columns)
+    n_values = runs.groupby("method")[axis].nunique()
+    runs = runs[runs["method"].isin(n_values[n_values >= 2].index)]
+    if reference not in set(runs["method"]) or runs["method"].nunique() < 2:
         return pd.DataFrame(columns=columns)
     means = runs.groupby(["method", axis])["kl_median"].mean().groupby("method")
     low, high = np.log(means.min().max()), np.log(means.max().min())

@@ -515,3 +515,20 @@ def test_the_deep_arms_60_step_regime_test_continues_the_30_step_runs_and_misses
     sampled, greedy = again.loc["sampled"], again.loc["greedy"]
     assert sampled["ci_low"] > 0 and sampled["diff"] < 0.05  # beats the baseline, but by less than item 1 asks
     assert greedy["ci_low"] > 0
+
+
+def test_a_method_at_one_axis_value_takes_no_part_in_the_kl_matched_reading():
+    """GRPO native and R2 along the whole lr axis, R3 only at lr 1e-4: R3 has no curve to read, so the KL points
+    lie inside native's and R2's common range (as without R3), not at R3's one KL, where no point would fit; with
+    native the only method left, there is nothing to match."""
+    per_run, per_eval = _synthetic({"grpo native": 1.0, "grpo R2": 0.25, "grpo R3": 0.5})
+    one_value = (per_run["routing_mode"] == "R3") & ~np.isclose(per_run["optim.lr"], 1e-4)
+    frame = with_methods(per_run[~one_value], per_eval)
+    matched = kl_matched(frame, FIXED)
+    without_r3 = kl_matched(with_methods(*_synthetic({"grpo native": 1.0, "grpo R2": 0.25})), FIXED)
+    assert set(matched["method"]) == {"grpo native", "grpo R2"}
+    np.testing.assert_allclose(matched["kl"].unique(), without_r3["kl"].unique())
+    # the points lie inside R2's range (0.25 x 2.5e-5 .. 0.25 x 4e-4) and native's (2.5e-5 .. 4e-4)
+    assert matched["kl"].min() > 2.5e-5 and matched["kl"].max() < 1e-4
+    native_and_one_value = (per_run["routing_mode"] == "native") | (per_run["routing_mode"] == "R3") & ~one_value
+    assert kl_matched(with_methods(per_run[native_and_one_value], per_eval), FIXED).empty
