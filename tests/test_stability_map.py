@@ -532,3 +532,45 @@ def test_a_method_at_one_axis_value_takes_no_part_in_the_kl_matched_reading():
     assert matched["kl"].min() > 2.5e-5 and matched["kl"].max() < 1e-4
     native_and_one_value = (per_run["routing_mode"] == "native") | (per_run["routing_mode"] == "R3") & ~one_value
     assert kl_matched(with_methods(per_run[native_and_one_value], per_eval), FIXED).empty
+
+
+def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_run_tables():
+    """results/stability/deep8_8terms_cell5 pools the 8-term edge's five folders (seeds 0-2, the probe, seeds 3 and
+    4, and lr 4e-4 for GRPO native, +R3 and GSPO): its cells, Holm p-values, critical lrs and KL-matched rows follow
+    from the per-run rows; native GRPO declines at 4e-4 in 3 of 3 seeds, yet no method is a rescue there after
+    Holm; and the 2e-4 cell read alone (deep8_8terms_cell5_2e-4, Holm over its own 5 pairs) has 5 seeds per method."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    sources = ["deep8_8terms_cell", "deep8_8terms_probe", "deep8_8terms_cell_s3", "deep8_8terms_cell_s4"]
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    pooled = {}
+    for folder, extra in (("deep8_8terms_cell5", ["deep8_8terms_cell_lr4"]), ("deep8_8terms_cell5_2e-4", [])):
+        frame, repeats = pooled_frame([root / name for name in sources + extra])
+        assert repeats == 1
+        tables = root / folder / "tables"
+        cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+        for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median"):
+            np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                       equal_nan=True, err_msg=f"{folder}: {column}")
+        paired = paired_cells(frame, fixed)
+        np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                                   pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+        assert not paired["rescue"].any()
+        at_2e4 = cells[np.isclose(cells["value"], 2e-4)]
+        assert len(at_2e4) == 6 and set(at_2e4["n_seeds"]) == {5}
+        pooled[folder] = frame, cells
+    frame, cells = pooled["deep8_8terms_cell5"]
+    by_cell = cells.set_index(["method", "value"])
+    native_at_4e4 = by_cell.loc[("grpo native", 4e-4)]
+    assert native_at_4e4["n_declined"] == 3 and native_at_4e4["change_ci_high"] < 0
+    matched = kl_matched(frame, fixed)
+    committed_matched = pd.read_csv(root / "deep8_8terms_cell5" / "tables" / "kl_matched.csv")
+    assert len(matched) == 9 and set(matched["method"]) == {"grpo native", "grpo R3", "gspo native"}
+    np.testing.assert_allclose(matched["change"].to_numpy(float), committed_matched["change"], rtol=1e-9)
+    critical = critical_values(frame, fixed).set_index("method")["critical"]
+    np.testing.assert_allclose(critical.to_numpy(float), pd.read_csv(
+        root / "deep8_8terms_cell5" / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
+    assert 2e-4 < critical["grpo native"] < 4e-4
