@@ -16,7 +16,7 @@ tests/test_gpu.py, not timed here.
     python -m benchmarks.bench_model --quick    # fewer repeats
     python -m benchmarks.bench_model --repeat 21    # more repeats, for a shared machine whose speed drifts
 Each native contender also runs with every kernel family off ('no kernels', what MOE_RL_NATIVE=0 runs), so that the
-table shows what the kernels this machine chose are worth here. Writes results/bench/<CPU class>/model.md and
+table shows what the kernels this machine chose are worth here. Writes results/bench/<machine>/model.md and
 model.csv (the class from the CPU and any ISA cap in force: avx512, avx2 or baseline), with the kernel paths taken.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import cpu_class, interleaved, kernels_lines, no_kernels, write_csv
+from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, no_kernels, write_csv
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.moe import Experts
 from moe_rl.rollout import SamplingConfig, generate
@@ -214,8 +214,8 @@ def main() -> None:
                         help="interleaved runs per contender for forward+backward (the sampler gets half, at least 3; "
                              "the expert kernels twice as many); raise it on a shared machine whose speed drifts")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for model.md / model.csv (default results/bench/<CPU class>: avx512, avx2 or "
-                             "baseline, from the CPU and any ISA cap in force)")
+                        help="folder for model.md / model.csv (default results/bench/<vendor>_<widest ISA>, with "
+                             "_capped_<ISA> under an ISA cap: intel_avx512, intel_avx512_capped_avx2, amd_avx2, ...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     repeat = 3 if args.quick else args.repeat
@@ -228,7 +228,7 @@ def main() -> None:
         rows += bench_experts(shape, repeat * 2)
     command = "python -m benchmarks.bench_model" + (" --quick" if args.quick else "") + \
         (f" --repeat {args.repeat}" if args.repeat != 7 and not args.quick else "")
-    args.out = args.out or Path("results/bench") / cpu_class()
+    args.out = args.out or Path("results/bench") / bench_folder()
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "model.csv", rows)
     report = markdown(rows, command)

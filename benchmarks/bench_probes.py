@@ -7,7 +7,7 @@
    that one forward.
 
 Timings interleave the variants (A B A B ...) and report medians, so drift on a shared machine hits both.
-Writes `results/bench/<CPU class>/probes.json` and `probes.md` and prints the table.
+Writes `results/bench/<machine>/probes.json` and `probes.md` (the folder: `benchmarks.timing.bench_folder`) and prints the table.
 
     python -m benchmarks.bench_probes
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import cpu_class
+from benchmarks.timing import bench_folder
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.policy import policy_forward
 from moe_rl.probes import ProbeConfig, Prober
@@ -141,7 +141,7 @@ def markdown(rows: list[dict], command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=21, help="timed repetitions per variant")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default results/bench/<CPU class>)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default results/bench/<vendor>_<widest ISA>[_capped_<ISA>], e.g. intel_avx512)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -149,7 +149,7 @@ def main() -> None:
         rows.append({"size": size, **bench(cfg, rows=128, minibatches=4, new_tokens=16, repeat=args.repeat)})
     command = "python -m benchmarks.bench_probes" + (f" --repeat {args.repeat}" if args.repeat != 21 else "")
     report = markdown(rows, command)
-    args.out = args.out or Path("results/bench") / cpu_class()
+    args.out = args.out or Path("results/bench") / bench_folder()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "probes.json").write_text(json.dumps(rows, indent=2))
     (args.out / "probes.md").write_text(report)

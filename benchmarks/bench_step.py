@@ -11,7 +11,7 @@ warm start), so completions are random text; this times the machinery, not learn
     python -m benchmarks.bench_step            # tiny and paper shapes (a few minutes on a quiet CPU)
     python -m benchmarks.bench_step --quick    # tiny shape only
 Each shape runs with the kernels this machine's measurement chose and with none (MOE_RL_NATIVE=0). Writes
-results/bench/<CPU class>/step.md and step.csv.
+results/bench/<machine>/step.md and step.csv.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import moe_rl.trainer
-from benchmarks.timing import cpu_class, kernels_lines, no_kernels, write_csv
+from benchmarks.timing import bench_folder, cpu_class, kernels_lines, no_kernels, write_csv
 from moe_rl.config import TrainConfig
 from moe_rl.model import ModelConfig
 from moe_rl.probes import ProbeConfig
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3,
                         help="measured rollout steps per contender and shape (after one warm-up each), taken in turns")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for step.md / step.csv (default results/bench/<CPU class>)")
+                        help="folder for step.md / step.csv (default results/bench/<vendor>_<widest ISA>[_capped_<ISA>])")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = list(SHAPES)[:1] if args.quick else list(SHAPES)
@@ -132,7 +132,7 @@ def main() -> None:
                  for (kernels, name), phases_s in medians.items()]
     command = "python -m benchmarks.bench_step" + (" --quick" if args.quick else "") + \
         (f" --steps {args.steps}" if args.steps != 3 else "")
-    args.out = args.out or Path("results/bench") / cpu_class()
+    args.out = args.out or Path("results/bench") / bench_folder()
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "step.csv", rows)
     report = markdown(rows, command)

@@ -50,6 +50,19 @@ def cpu_class() -> str:
     return "baseline"
 
 
+def bench_folder() -> str:
+    """The default folder under results/bench for this machine: vendor, the widest vectors the CPU has, and the cap in
+    force if it narrows them (intel_avx512, intel_avx512_capped_avx2, amd_avx2, ...). Two vendors with the same
+    flags get two folders, and a capped run never overwrites the uncapped one."""
+    from moe_rl.kernels import report
+
+    cpu = report()["cpu"]
+    features = set(cpu["features"])
+    widest = "avx512" if "avx512f" in features else "avx2" if "avx2" in features else "baseline"
+    running = cpu_class()
+    return f"{cpu['vendor']}_{widest}" + (f"_capped_{running}" if running != widest else "")
+
+
 def no_kernels():
     """Every kernel family off: what MOE_RL_NATIVE=0 (or a machine without a C compiler) runs."""
     from moe_rl import kernels

@@ -112,7 +112,30 @@ def test_the_report_names_the_cpu_the_caps_and_every_family(monkeypatch):
     assert set(report["families"]) == set(kernels.FAMILIES)
     assert report["cpu"]["caps"]["ATEN_CPU_CAPABILITY"] == "default"
     assert report["cpu"]["threads"] == torch.get_num_threads()
-    assert {"model", "features", "aten_capability", "mkl", "kernels_isa"} <= set(report["cpu"])
+    assert {"model", "vendor", "features", "aten_capability", "mkl", "kernels_isa"} <= set(report["cpu"])
+
+
+@pytest.mark.parametrize("vendor_id, expect", [("GenuineIntel", "intel"), ("AuthenticAMD", "amd"),
+                                               ("HygonGenuine", "hygongenuine"), (None, "unknown")])
+def test_the_vendor_comes_from_cpuinfo(vendor_id, expect, monkeypatch):
+    monkeypatch.setattr(selection, "_cpuinfo_field", lambda name: vendor_id if name == "vendor_id" else None)
+    assert selection.cpu_description()["vendor"] == expect
+
+
+@pytest.mark.parametrize("vendor, features, aten, isa, expect", [
+    ("intel", ["avx2", "avx512f"], "AVX512", "avx512", "intel_avx512"),
+    ("intel", ["avx2", "avx512f"], "AVX2", "avx2", "intel_avx512_capped_avx2"),
+    ("amd", ["avx2"], "AVX2", "avx2", "amd_avx2"),
+    ("amd", ["avx2", "avx512f"], "AVX512", "avx512", "amd_avx512"),
+    ("amd", ["avx2", "avx512f"], "DEFAULT", "baseline", "amd_avx512_capped_baseline"),
+])
+def test_each_machine_and_cap_gets_its_own_bench_folder(vendor, features, aten, isa, expect, monkeypatch):
+    """A Zen 4 and a Xeon both offer AVX-512: the default bench folder must not let one overwrite the other."""
+    from benchmarks.timing import bench_folder
+
+    cpu = {"vendor": vendor, "features": features, "aten_capability": aten, "kernels_isa": isa}
+    monkeypatch.setattr(kernels, "report", lambda: {"cpu": cpu, "families": {}})
+    assert bench_folder() == expect
 
 
 def test_a_bad_isa_cap_is_refused(monkeypatch):

@@ -94,6 +94,7 @@ def cpu_description() -> dict:
     flags = _cpu_flags()
     return {
         "model": _cpu_model() or platform.processor() or platform.machine(),
+        "vendor": _cpu_vendor(),
         "features": [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx_tile")
                      if f in flags],
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
@@ -187,9 +188,23 @@ def _cpu_flags() -> set[str]:
 
 
 def _cpu_model() -> str | None:
+    return _cpuinfo_field("model name")
+
+
+# Two CPUs with the same flags (an Intel Xeon and an AMD Zen 4 both offer AVX-512 BW/VL) still round and time
+# differently, because MKL picks its kernels and blocking by vendor and cache: results name the vendor too.
+_VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+
+
+def _cpu_vendor() -> str:
+    vendor_id = _cpuinfo_field("vendor_id")
+    return _VENDORS.get(vendor_id, vendor_id.lower()) if vendor_id else "unknown"
+
+
+def _cpuinfo_field(name: str) -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() == name:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
