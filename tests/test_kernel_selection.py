@@ -61,10 +61,59 @@ def test_the_measurement_runs_from_inside_a_no_grad_or_inference_pass(monkeypatc
 def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkeypatch):
     family = "sampler_experts" if inexact else "topk"
     monkeypatch.setattr(measure, "_PLANS", {family: (lambda: None, lambda: [None, None])})
+    monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: True)
     monkeypatch.setattr(measure, "_race", lambda forced, f, work, others, rounds=7: [(ratio, 1.0), (ratio * 2, 2.0)])
     chosen = measure.measure_all(selection.forced)
     assert chosen[family]["used"] is used
     assert chosen[family]["why"] == f"measured: {ratio:.2f}x the torch time"
+
+
+def test_a_hosted_family_is_timed_inside_its_host_and_is_off_where_its_host_is(monkeypatch):
+    """The C loop of the expert products runs only inside MKL's batch path: it is timed with MKL on in both arms,
+    before MKL, which is then timed with the loop's choice in force; if MKL loses, the loop is off too."""
+    plans = {"exact_products": (lambda: None, lambda: [None]), "mkl_products": (lambda: None, lambda: [None])}
+    monkeypatch.setattr(measure, "_PLANS", plans)
+    monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: True)
+    seen = {}
+
+    def race(forced, family, work, others, rounds=7):
+        seen[family] = dict(others)
+        return [({"exact_products": 0.5, "mkl_products": 1.2}[family], 1.0)]
+
+    monkeypatch.setattr(measure, "_race", race)
+    chosen = measure.measure_all(selection.forced)
+    assert seen["exact_products"]["mkl_products"] is True and seen["mkl_products"]["exact_products"] is True
+    assert chosen["mkl_products"]["used"] is False and chosen["exact_products"]["used"] is False
+    assert chosen["exact_products"]["why"] == ("measured: 0.50x the torch time, but it runs inside mkl_products, "
+                                               "which is off")
+
+
+def test_only_the_workloads_a_family_serves_are_timed(monkeypatch):
+    """A workload whose every call the family declines would time the reference against itself; a family that
+    serves none of the shapes is off and says so."""
+    monkeypatch.setattr(measure, "_PLANS", {"topk": (lambda: None, lambda: ["served", "declined"]),
+                                            "slots": (lambda: None, lambda: ["declined"])})
+    monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: work == "served")
+    timed = {}
+
+    def race(forced, family, work, others, rounds=7):
+        timed[family] = list(work)
+        return [(0.5, 1.0)] * len(work)
+
+    monkeypatch.setattr(measure, "_race", race)
+    chosen = measure.measure_all(selection.forced)
+    assert timed == {"topk": ["served"]} and chosen["topk"]["used"] is True
+    assert chosen["slots"] == {"used": False, "why": "serves none of the measured shapes"}
+
+
+@pytest.mark.skipif(measure._mkl_missing() is not None, reason="needs the C kernels and MKL's batched GEMM")
+def test_mkl_with_autograd_below_its_expert_minimum_is_not_served():
+    """The products' workloads: the paper shape (128 experts) with and without autograd and the small one (8
+    experts) without reach MKL's batch call; the small one with autograd falls back to torch, and so to its host
+    for the C loop."""
+    work = measure._products_workloads()
+    for family in ("mkl_products", "exact_products"):
+        assert [measure._served(selection.forced, family, w, {}) for w in work] == [True, True, True, False], family
 
 
 def test_an_unavailable_family_is_off_and_says_why(monkeypatch):
