@@ -235,8 +235,14 @@ def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
 
 
 def swept_axes(frame: pd.DataFrame, fixed: dict) -> list[str]:
-    """The keys of `fixed` that take two or more values among their axis's runs."""
-    return [axis for axis in fixed if axis in frame and axis_runs(frame, axis, fixed)[axis].nunique() >= 2]
+    """The keys of `fixed` that take two or more values among their axis's runs. Where none does, a folder of one
+    cell off the fixed point (one learning rate at the fixed staleness, a sitting analysed on its own) is read as
+    that one cell of its axis; the fixed point's own cell lies on both axes and is read only as part of one."""
+    values = {axis: axis_runs(frame, axis, fixed)[axis].astype(float) for axis in fixed if axis in frame}
+    swept = [axis for axis, v in values.items() if v.nunique() >= 2]
+    if swept:
+        return swept
+    return [axis for axis, v in values.items() if len(v) and not np.isclose(v, float(fixed[axis])).any()]
 
 
 def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:

@@ -534,6 +534,28 @@ def test_a_method_at_one_axis_value_takes_no_part_in_the_kl_matched_reading():
     assert kl_matched(with_methods(per_run[native_and_one_value], per_eval), FIXED).empty
 
 
+def test_a_folder_of_one_cell_off_the_fixed_point_is_read_as_that_cell_of_its_axis():
+    """A sitting of one lr (4e-4, at the fixed 4 minibatches) analysed on its own is one cell of the lr axis, paired
+    and Holm-adjusted within it; a folder of the fixed point's own cell (lr 5e-5, 4 minibatches) lies on both axes
+    and is read as neither; a folder with a swept axis reads that axis alone, as before."""
+    from analysis.stability import paired_cells, swept_axes
+
+    per_run, per_eval = _synthetic({"grpo native": 1.0, "grpo R2": 0.25, "grpo R3": 0.5})
+    frame = with_methods(per_run, per_eval)
+    one_lr = frame[np.isclose(frame["optim.lr"], 4e-4)]
+    assert swept_axes(one_lr, FIXED) == ["optim.lr"]
+    cells = stability_cells(one_lr, FIXED)
+    assert len(cells) == 3 and set(cells["value"]) == {4e-4} and set(cells["n_seeds"]) == {4}
+    paired = paired_cells(one_lr, FIXED)
+    at_t1 = paired[paired["endpoint"] == "change"]
+    assert len(at_t1) == 2  # R2 and R3 against native: Holm over these two
+    np.testing.assert_allclose(sorted(at_t1["p_holm"]), sorted(np.minimum(1, [min(at_t1["p"]) * 2, max(at_t1["p"])])))
+    centre = frame[np.isclose(frame["optim.lr"], 5e-5) & (frame["minibatches"] == 4)]
+    assert swept_axes(centre, FIXED) == [] and stability_cells(centre, FIXED).empty
+    assert swept_axes(frame[frame["minibatches"] == 4], FIXED) == ["optim.lr"]
+    assert swept_axes(frame, FIXED) == ["optim.lr", "minibatches"]
+
+
 def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_run_tables():
     """results/stability/deep8_8terms_cell5 pools the 8-term edge's five folders (seeds 0-2, the probe, seeds 3 and
     4, and lr 4e-4 for GRPO native, +R3 and GSPO): its cells, Holm p-values, critical lrs and KL-matched rows follow
