@@ -596,3 +596,33 @@ def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_r
     np.testing.assert_allclose(critical.to_numpy(float), pd.read_csv(
         root / "deep8_8terms_cell5" / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
     assert 2e-4 < critical["grpo native"] < 4e-4
+
+
+def test_the_replication_on_another_cpu_is_recomputed_from_its_per_run_tables():
+    """results/stability/deep8_8terms_lr4_zen4: C's cell (8-term sums, lr 4e-4; GRPO native, +R3, GSPO) at 5 seeds
+    from a warm start rebuilt on an AMD EPYC, analysed on its own (Holm over its 2 pairs per endpoint): its cells and
+    Holm p-values follow from the per-run rows; native GRPO does not decline there (0 of 5, CI across 0), so no
+    method can be a rescue; GSPO's paired gain at T = 1 has an unadjusted p below 0.05 but not after Holm."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "stability" / "deep8_8terms_lr4_zen4"
+    frame, repeats = pooled_frame([folder])
+    assert repeats == 0
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    cells, committed = stability_cells(frame, fixed), pd.read_csv(folder / "tables" / "stability_cells.csv")
+    for column in ("n_seeds", "change", "change_ci_low", "change_ci_high", "n_learned", "n_declined", "kl_median",
+                   "set_change"):
+        np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   err_msg=column)
+    by_method = cells.set_index("method")
+    assert set(by_method["n_seeds"]) == {5} and set(by_method["value"]) == {4e-4}
+    native = by_method.loc["grpo native"]
+    assert native["n_declined"] == 0 and native["change_ci_low"] < 0 < native["change_ci_high"]
+    paired = paired_cells(frame, fixed)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(folder / "tables" / "paired_cells.csv")["p_holm"].to_numpy(float))
+    gspo = paired[(paired["endpoint"] == "change") & (paired["method"] == "gspo native")].iloc[0]
+    assert gspo["p"] < 0.05 < gspo["p_holm"] and gspo["diff"] > 0
+    assert not paired["rescue"].any() and set(paired["verdict"]) == {"undecided"}
