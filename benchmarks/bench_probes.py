@@ -7,7 +7,8 @@
    that one forward.
 
 Timings interleave the variants (A B A B ...) and report medians, so drift on a shared machine hits both.
-Writes `results/bench/<machine>/probes.json` and `probes.md` (the folder: `benchmarks.timing.bench_folder`) and prints the table.
+Writes `results/bench/<machine>/probes.json` and `probes.md` (the folder: `benchmarks.timing.bench_folder`) and
+prints the table.
 
     python -m benchmarks.bench_probes
 """
@@ -141,7 +142,9 @@ def markdown(rows: list[dict], command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=21, help="timed repetitions per variant")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default results/bench/<vendor>_<widest ISA>[_capped_<ISA>], e.g. intel_avx512)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default results/bench/<vendor>_<widest ISA>[_capped_<ISA>], "
+                             "e.g. intel_avx512)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []

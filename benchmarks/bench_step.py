@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3,
                         help="measured rollout steps per contender and shape (after one warm-up each), taken in turns")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for step.md / step.csv (default results/bench/<vendor>_<widest ISA>[_capped_<ISA>])")
+                        help="folder for step.md / step.csv (default "
+                             "results/bench/<vendor>_<widest ISA>[_capped_<ISA>])")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = list(SHAPES)[:1] if args.quick else list(SHAPES)
