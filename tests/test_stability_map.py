@@ -626,3 +626,38 @@ def test_the_replication_on_another_cpu_is_recomputed_from_its_per_run_tables():
     gspo = paired[(paired["endpoint"] == "change") & (paired["method"] == "gspo native")].iloc[0]
     assert gspo["p"] < 0.05 < gspo["p_holm"] and gspo["diff"] > 0
     assert not paired["rescue"].any() and set(paired["verdict"]) == {"undecided"}
+
+
+def test_the_second_lr_on_that_warm_start_is_recomputed_and_its_rescue_is_gspos_not_replays():
+    """results/stability/deep8_8terms_zen4: the same warm start at lr 4e-4 and 8e-4 (5 seeds each): its cells, Holm
+    p-values over the axis's 4 pairs, critical lrs and KL-matched rows follow from the per-run rows. At 8e-4 native
+    GRPO declines in 5 of 5 with its CI below 0; GSPO is better there (the protocol's "rescue") while R3 is
+    equivalent to native GRPO within +-0.03 (TOST): no sentence that credits replay may be written."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "stability" / "deep8_8terms_zen4"
+    tables = folder / "tables"
+    frame, repeats = pooled_frame([folder])
+    assert repeats == 0
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+    for column in ("n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined", "kl_median"):
+        np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   err_msg=column)
+    assert len(cells) == 6 and set(cells["n_seeds"]) == {5}
+    native = cells.set_index(["method", "value"]).loc[("grpo native", 8e-4)]
+    assert native["n_declined"] == 5 and native["change_ci_high"] < 0
+    paired = paired_cells(frame, fixed)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+    at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
+    assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
+    assert at_8e4.loc["grpo R3", "verdict"] == "equivalent" and not at_8e4.loc["grpo R3", "rescue"]
+    critical = critical_values(frame, fixed).set_index("method")["critical"]
+    np.testing.assert_allclose(critical.to_numpy(float), pd.read_csv(tables / "critical.csv")["critical"], rtol=1e-9)
+    assert 4e-4 < critical["grpo native"] < critical["gspo native"] < 8e-4
+    matched = kl_matched(frame, fixed)
+    np.testing.assert_allclose(matched["change"].to_numpy(float),
+                               pd.read_csv(tables / "kl_matched.csv")["change"].to_numpy(float), rtol=1e-9)
