@@ -661,3 +661,31 @@ def test_the_second_lr_on_that_warm_start_is_recomputed_and_its_rescue_is_gspos_
     matched = kl_matched(frame, fixed)
     np.testing.assert_allclose(matched["change"].to_numpy(float),
                                pd.read_csv(tables / "kl_matched.csv")["change"].to_numpy(float), rtol=1e-9)
+
+
+def test_replay_of_either_kind_is_equivalent_to_native_grpo_where_it_fails():
+    """results/stability/deep8_8terms_zen4_r2 pools F's folder with GRPO+R2 at 8e-4 (5 seeds, the same warm start):
+    the extended map follows from the two folders' per-run rows (Holm over the axis's 5 pairs); R2, like R3, is
+    equivalent to native GRPO within +-0.03 where native GRPO declines in 5 of 5, and GSPO's rescue survives."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    frame, repeats = pooled_frame([root / "deep8_8terms_zen4_r2", root / "deep8_8terms_zen4"])
+    assert repeats == 0
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    tables = root / "deep8_8terms_zen4_r2" / "tables"
+    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+    for column in ("n_seeds", "change", "change_ci_low", "n_declined", "kl_median"):
+        np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   err_msg=column)
+    paired = paired_cells(frame, fixed)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+    at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
+    assert len(at_8e4) == 3
+    assert at_8e4.loc["grpo R2", "verdict"] == at_8e4.loc["grpo R3", "verdict"] == "equivalent"
+    assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
+    r2 = cells.set_index(["method", "value"]).loc[("grpo R2", 8e-4)]
+    assert r2["n_seeds"] == 5 and r2["n_declined"] == 5
