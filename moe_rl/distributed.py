@@ -39,21 +39,17 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+# FSDP2 and its state-dict helpers are imported where they are used: together they cost about 2 s of CPU per
+# process on a 2-core EPYC (a third of a training run's start-up), and only sharded runs need them.
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 PARALLEL_MODES = ("ddp", "fsdp2")
@@ -270,6 +266,8 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     """Shard `model` in place over the process group: each decoder block, then the root. Build the optimizer after
     this (its parameters become DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+
     for block in decoder_blocks(model):
         fully_shard(block)
     fully_shard(model)
@@ -277,7 +275,10 @@ def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    # No module is an FSDPModule before torch.distributed.fsdp is imported (shard_fsdp2 imports it), so a process
+    # that never shards does not pay for the import here.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 @contextmanager
@@ -288,6 +289,8 @@ def full_parameters(model: torch.nn.Module) -> Iterator[None]:
     if not is_sharded(model):
         yield
         return
+    from torch.distributed.fsdp import FSDPModule
+
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -300,20 +303,24 @@ def full_parameters(model: torch.nn.Module) -> Iterator[None]:
             unit.set_reshard_after_forward(True, recurse=False)
 
 
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts with every tensor whole, as one process would hold them; a collective under
     FSDP2 (every rank calls it; rank 0 saves). The optimizer's state is keyed by parameter name."""
-    return (get_model_state_dict(model, options=FULL_STATE),
-            get_optimizer_state_dict(model, optimizer, options=FULL_STATE))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
+        get_optimizer_state_dict
+
+    whole_on_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=whole_on_cpu),
+            get_optimizer_state_dict(model, optimizer, options=whole_on_cpu))
 
 
 def load_full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                           optimizer_state: dict) -> None:
     """Load whole state dicts (from `full_state_dicts`) into a sharded model and its optimizer: each rank keeps its
     shard. Every rank passes the same dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, \
+        set_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from moe_rl.errors import ConfigError, DataError, check_choice
@@ -48,7 +47,9 @@ from moe_rl.runs.digest import checkpoint_record
 from moe_rl.runs.jsonlog import MetricsWriter, read_jsonl
 from moe_rl.runs.provenance import environment, utc_now
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pandas (0.6 s of start-up) is imported by the table functions, the only ones that use it
+    import pandas as pd
+
     from moe_rl.runs.trackers import Tracker
 
 STATUSES = ("running", "finished", "diverged", "failed", "interrupted")
@@ -370,6 +371,8 @@ def table_path(run_dir: str | os.PathLike, kind: str, step: int) -> Path:
 
 def write_table(run_dir: str | os.PathLike, kind: str, step: int, rows: Sequence[Mapping] | pd.DataFrame) -> Path:
     """Atomically write one step's rows to <run>/<kind>/step_XXXXXX.parquet, with a `step` column added."""
+    import pandas as pd
+
     path = table_path(run_dir, kind, step)
     frame = pd.DataFrame(rows).copy()
     if "step" not in frame.columns:
@@ -389,11 +392,15 @@ def _table_files(run_dir: str | os.PathLike, kind: str) -> list[tuple[int, Path]
 
 def read_tables(run_dir: str | os.PathLike, kind: str) -> pd.DataFrame:
     """All of a run's tables of one kind, concatenated in step order; an empty frame when there are none."""
+    import pandas as pd
+
     frames = [_read_table(path) for _, path in _table_files(run_dir, kind)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def _read_table(path: Path) -> pd.DataFrame:
+    import pandas as pd
+
     try:
         return pd.read_parquet(path)
     except Exception as err:  # pyarrow's ArrowInvalid and OSError for a cut-short or foreign file
