@@ -86,7 +86,11 @@ class PowerLaw:
         """The driver value (first predictor) at which the reading reaches `level` at `settings`."""
         rest = sum(c * math.log(_setting(settings, p)) for p, c in zip(self.predictors[1:], self.coef[1:]))
         b = self.coef[0]
-        return math.exp((math.log(level) - self.intercept - rest) / b) if b > 0 else float("nan")
+        if not b > 0:
+            return float("nan")
+        # a nearly flat fit (the runs of one sitting at two lrs) puts the level beyond any float: say so, not crash
+        exponent = (math.log(level) - self.intercept - rest) / b
+        return math.exp(exponent) if exponent < 700 else math.inf
 
 
 def _setting(settings: dict[str, float], predictor: str) -> float:

@@ -401,3 +401,16 @@ def test_power_at_two_seeds_where_scipys_noncentral_t_gives_nan():
                                                             abs=1e-6)
     assert 0.8 < power_paired(16.0, 1.0, 2) < 1.0
     assert power_paired(mdd_paired(2, 1.0), 1.0, 2) == pytest.approx(0.8, abs=1e-6)
+
+
+def test_a_nearly_flat_law_puts_the_level_out_of_reach_instead_of_overflowing():
+    """One sitting's runs at two lrs gave a churn law with a slope near 0: the lr that reaches 10% churn lies beyond
+    any float, and the report (driver_for) crashed with OverflowError; it now reads inf."""
+    from analysis.scaling import PowerLaw
+
+    fields = {name: 0 for name in PowerLaw.__dataclass_fields__}
+    law = PowerLaw(**{**fields, "reading": "churn", "predictors": ["kl_median"], "intercept": -5.0, "coef": [1e-4],
+                      "dropped": []})
+    assert law.driver_for(0.1, {}) == math.inf
+    assert math.isnan(PowerLaw(**{**fields, "reading": "churn",
+        "predictors": ["kl_median"], "intercept": -5.0, "coef": [-1.0], "dropped": []}).driver_for(0.1, {}))

@@ -239,3 +239,32 @@ def test_replay_of_either_kind_is_equivalent_to_native_grpo_where_it_fails():
     assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
     r2 = cells.set_index(["method", "value"]).loc[("grpo R2", 8e-4)]
     assert r2["n_seeds"] == 5 and r2["n_declined"] == 5
+
+
+def test_the_rollout_corrections_are_equivalent_to_native_grpo_where_it_fails():
+    """results/stability/deep8_8terms_zen4_h pools F and G with GRPO+TIS and GRPO+IcePop at 8e-4 (5 seeds, the same
+    warm start rebuilt on a second AMD machine; its native seed 0 repeats F's and counts once): the map follows
+    from the three folders' per-run rows (Holm over the axis's 7 pairs); both corrections decline in 5 of 5 and are
+    equivalent to native GRPO within +-0.03, and GSPO's rescue survives Holm over 7."""
+    from pathlib import Path
+
+    from analysis.stability import paired_cells, pooled_frame
+
+    root = Path(__file__).resolve().parents[1] / "results" / "stability"
+    frame, repeats = pooled_frame([root / "deep8_8terms_zen4_h", root / "deep8_8terms_zen4", root / "deep8_8terms_zen4_r2"])
+    assert repeats == 1
+    fixed = {"optim.lr": 2e-4, "minibatches": 4}
+    tables = root / "deep8_8terms_zen4_h" / "tables"
+    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+    for column in ("n_seeds", "change", "change_ci_low", "n_declined", "kl_median"):
+        np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
+                                   err_msg=column)
+    paired = paired_cells(frame, fixed)
+    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
+                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+    at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
+    assert len(at_8e4) == 5
+    for method in ("grpo native TIS cap 2", "grpo native IcePop [0.5, 2]"):
+        assert at_8e4.loc[method, "verdict"] == "equivalent" and not at_8e4.loc[method, "rescue"], method
+        assert cells.set_index(["method", "value"]).loc[(method, 8e-4), "n_declined"] == 5
+    assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
