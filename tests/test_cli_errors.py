@@ -268,9 +268,12 @@ def test_a_second_writer_is_refused_at_once_and_the_sweep_leaves_a_busy_run_alon
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while holder(run) is None and first.poll() is None and time.time() < deadline:
+        # the copied run's .lock still names the process that made it, and the new writer rewrites the record just
+        # after it takes the lock: wait for the record, not only for the lock (a loaded CI machine saw the old pid)
+        expected = f"pid {first.pid} on {os.uname().nodename}"
+        while holder(run) != expected and first.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        assert holder(run) == f"pid {first.pid} on {os.uname().nodename}", first.poll()
+        assert holder(run) == expected, first.poll()
         assert run_action(run) == ("busy", f"in use by pid {first.pid} on {os.uname().nodename}")
         t0 = time.perf_counter()
         second = moe_rl(*TRAIN, "--out-dir", run, "--total-steps", "200", "--log.eval-every", "1", "--init-from",
