@@ -217,22 +217,8 @@ def test_replay_of_either_kind_is_equivalent_to_native_grpo_where_it_fails():
     """results/stability/deep8_8terms_zen4_r2 pools F's folder with GRPO+R2 at 8e-4 (5 seeds, the same warm start):
     the extended map follows from the two folders' per-run rows (Holm over the axis's 5 pairs); R2, like R3, is
     equivalent to native GRPO within +-0.03 where native GRPO declines in 5 of 5, and GSPO's rescue survives."""
-    from pathlib import Path
-
-    from analysis.stability import paired_cells, pooled_frame
-
-    root = Path(__file__).resolve().parents[1] / "results" / "stability"
-    frame, repeats = pooled_frame([root / "deep8_8terms_zen4_r2", root / "deep8_8terms_zen4"])
-    assert repeats == 0
-    fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    tables = root / "deep8_8terms_zen4_r2" / "tables"
-    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
-    for column in ("n_seeds", "change", "change_ci_low", "n_declined", "kl_median"):
-        np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
-                                   err_msg=column)
-    paired = paired_cells(frame, fixed)
-    np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+    cells, paired = _pooled_map_matches_its_tables(
+        ["deep8_8terms_zen4_r2", "deep8_8terms_zen4"], "deep8_8terms_zen4_r2", 0)
     at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
     assert len(at_8e4) == 3
     assert at_8e4.loc["grpo R2", "verdict"] == at_8e4.loc["grpo R3", "verdict"] == "equivalent"
@@ -246,15 +232,28 @@ def test_the_rollout_corrections_are_equivalent_to_native_grpo_where_it_fails():
     warm start rebuilt on a second AMD machine; its native seed 0 repeats F's and counts once): the map follows
     from the three folders' per-run rows (Holm over the axis's 7 pairs); both corrections decline in 5 of 5 and are
     equivalent to native GRPO within +-0.03, and GSPO's rescue survives Holm over 7."""
+    cells, paired = _pooled_map_matches_its_tables(
+        ["deep8_8terms_zen4_h", "deep8_8terms_zen4", "deep8_8terms_zen4_r2"], "deep8_8terms_zen4_h", 1)
+    at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
+    assert len(at_8e4) == 5
+    for method in ("grpo native TIS cap 2", "grpo native IcePop [0.5, 2]"):
+        assert at_8e4.loc[method, "verdict"] == "equivalent" and not at_8e4.loc[method, "rescue"], method
+        assert cells.set_index(["method", "value"]).loc[(method, 8e-4), "n_declined"] == 5
+    assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
+
+
+def _pooled_map_matches_its_tables(folders: list[str], out: str, expect_repeats: int):
+    """The pooled map of results/stability/<folders> recomputed from their per-run rows; its cells and paired Holm
+    p-values must equal the committed tables of results/stability/<out>. Returns (cells, paired)."""
     from pathlib import Path
 
     from analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[1] / "results" / "stability"
-    frame, repeats = pooled_frame([root / "deep8_8terms_zen4_h", root / "deep8_8terms_zen4", root / "deep8_8terms_zen4_r2"])
-    assert repeats == 1
+    frame, repeats = pooled_frame([root / folder for folder in folders])
+    assert repeats == expect_repeats
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    tables = root / "deep8_8terms_zen4_h" / "tables"
+    tables = root / out / "tables"
     cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
     for column in ("n_seeds", "change", "change_ci_low", "n_declined", "kl_median"):
         np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
@@ -262,9 +261,4 @@ def test_the_rollout_corrections_are_equivalent_to_native_grpo_where_it_fails():
     paired = paired_cells(frame, fixed)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
                                pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
-    at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
-    assert len(at_8e4) == 5
-    for method in ("grpo native TIS cap 2", "grpo native IcePop [0.5, 2]"):
-        assert at_8e4.loc[method, "verdict"] == "equivalent" and not at_8e4.loc[method, "rescue"], method
-        assert cells.set_index(["method", "value"]).loc[(method, 8e-4), "n_declined"] == 5
-    assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
+    return cells, paired
