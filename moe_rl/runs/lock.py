@@ -1,7 +1,10 @@
 """One writer per run directory: an exclusive `fcntl` lock on <run>/.lock, held for the life of the process.
 
 The OS releases the lock when its process dies (a crash, SIGKILL), so a lock is never stale: a directory whose lock
-can be taken has no live writer. The file also records the holder's pid and host, which the refusal names.
+can be taken has no live writer. The file also records the holder's pid and host, which the refusal names. The
+record is rewritten just after the lock is taken, so for a moment a held lock's record still names the previous
+writer (or a copied run's maker, or is empty): a reader that finds it naming a process of this host that has ended,
+or unreadable, waits for the new record (RECORD_WAIT_S) before it names anyone.
 
     lock = RunLock.acquire("runs/x")      # ConfigError at once when another process holds it
     holder("runs/x")                      # "pid 123 on host-a" while someone holds it, else None (the sweep's check)
@@ -14,11 +17,15 @@ import fcntl
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from moe_rl.errors import ConfigError
 
 LOCK_FILE = ".lock"
+# How long a reader waits for a new holder to replace a stale or empty record (the writer does it microseconds after
+# taking the lock; a loaded machine can stretch that to a scheduling slice or two).
+RECORD_WAIT_S = 2.0
 
 
 class RunLock:
@@ -66,8 +73,37 @@ def holder(run_dir: str | os.PathLike) -> str | None:
 
 
 def _describe(path: Path) -> str:
+    """Name the holder from the record, once the record is the holder's own (see the module docstring)."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while True:
+        record = _read_record(path)
+        if record is not None and not _names_an_ended_process_here(record):
+            return f"pid {record['pid']} on {record['host']}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    if record is None:
+        return f"the holder of {path}, which has not written its record yet"
+    return f"the holder of {path}, which has not written its record yet (it still names pid {record['pid']}, ended)"
+
+
+def _read_record(path: Path) -> dict | None:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        return f"pid {record['pid']} on {record['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"the holder of {path}"
+        return record if isinstance(record, dict) and {"pid", "host"} <= record.keys() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _names_an_ended_process_here(record: dict) -> bool:
+    """A record of this host whose pid no longer runs is a previous writer's, not the holder's (another host's pids
+    cannot be checked from here, and are taken at their word)."""
+    if record["host"] != socket.gethostname() or not isinstance(record["pid"], int):
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive: another user's process
+        pass
+    return False
