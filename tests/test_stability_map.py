@@ -406,23 +406,26 @@ def test_the_pooled_staleness_axis_is_recomputed_from_both_sittings_tables():
 
 
 def test_the_pooled_map_is_recomputed_from_the_sittings_tables():
-    """results/stability: the map of four sittings (lr_1 .. lr_4) from their committed per-run tables alone; the
-    second sitting re-ran four of the first's runs, the eighth one of the second's (PROTOCOL.md, 16:45 UTC addendum),
-    and lr_4 is the eighth sitting's folder with the ninth's runs added, so the eighth's 13 runs come twice; every
-    repeat agrees (else pooled_frame raises). The eighth sitting gave lr 5e-5 its 3 seeds, the ninth 2.5e-5."""
+    """results/stability: the map of the lr axis's sittings (lr_1 .. lr_5) from their committed per-run tables alone;
+    the second sitting re-ran four of the first's runs, the eighth one of the second's (PROTOCOL.md, 16:45 UTC
+    addendum), and lr_4 is the eighth sitting's folder with the ninth's runs added, so the eighth's 13 runs come
+    twice; every repeat agrees (else pooled_frame raises). The eighth sitting gave lr 5e-5 its 3 seeds, the ninth
+    2.5e-5; the tenth and eleventh (lr_5) gave the frontier cells, 8e-4 and 1.6e-3, 5 seeds."""
     from pathlib import Path
 
     from analysis.stability import critical_values, pooled_frame
 
     root = Path(__file__).resolve().parents[1] / "results" / "stability"
-    frame, repeats = pooled_frame([root / f"lr_{sitting}" for sitting in (1, 2, 3, 4)])
-    assert repeats == 18 and len(frame) == 138
+    frame, repeats = pooled_frame([root / f"lr_{sitting}" for sitting in (1, 2, 3, 4, 5)])
+    assert repeats == 18 and len(frame) == 162
     cells = stability_cells(frame, FIXED)
     at_5e5 = cells[np.isclose(cells["value"], 5e-5)]
     assert len(at_5e5) == 6 and set(at_5e5["n_seeds"]) == {3} and (at_5e5["change_ci_low"] > 0).all()
     at_2e5 = cells[np.isclose(cells["value"], 2.5e-5)]
     assert len(at_2e5) == 6 and set(at_2e5["n_seeds"]) == {3} and set(at_2e5["n_learned"]) == {3}
     assert cells["n_seeds"].min() >= 3  # every cell of the lr axis has 3 seeds or more
+    frontier = cells[np.isclose(cells["value"], 8e-4) | np.isclose(cells["value"], 1.6e-3)]
+    assert len(frontier) == 12 and set(frontier["n_seeds"]) == {5}
     committed = pd.read_csv(root / "tables" / "stability_cells.csv")
     again = stability_cells(frame, FIXED)
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median"):
