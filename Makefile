@@ -79,6 +79,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_model
 	$(BIN)/python -m benchmarks.bench_step
 	$(BIN)/python -m benchmarks.bench_probes
+	$(BIN)/python -m benchmarks.bench_prefetch
 
 # On a CUDA machine: bf16 training steps, replay under autocast, grouped_mm throughput, an FSDP2 step and a paper-shaped
 # RL step, into results/bench/gpu.md (benchmarks/gpu_check.py). Without CUDA it says so and writes nothing.

@@ -221,6 +221,27 @@ def test_c_loop_gives_torch_numbers_at_every_group_size_of_its_plan(d_in, d_out,
 
 
 @needs_c_loop
+def test_prefetching_changes_no_number(monkeypatch):
+    """The loop's prefetch of the next expert's block (native_kernels.c, next_block) is a hint: the kernels built
+    without it (-DMOE_RL_NO_PREFETCH, what benchmarks/bench_prefetch.py compares with) give the same bits in every
+    product, with groups of every size its plan serves spread over many experts."""
+    from moe_rl.kernels import native
+
+    without = native.load(native.build(tuple((*flags, "-DMOE_RL_NO_PREFETCH")
+                                             for flags in native.ISA_CAPS[native.isa_cap()])))
+    for mode in (grouped_gemm._FORWARD, grouped_gemm._INPUT_GRAD, grouped_gemm._WEIGHT_GRAD):
+        plan = _plan_or_skip(mode, 64, 64)
+        counts_E = torch.arange(plan.min_rows, plan.max_rows + 1)[torch.randperm(plan.max_rows - plan.min_rows + 1)]
+        rows, a, b, prefetched = _random_operands(mode, counts_E, 64, 64)
+        assert grouped_gemm._exact_products(mode, counts_E, rows, 64, 64, a, b, prefetched, plan) == 0
+        not_prefetched = torch.full_like(prefetched, float("nan"))
+        with monkeypatch.context() as patched:
+            patched.setattr(grouped_gemm, "native_library", lambda: without)
+            assert grouped_gemm._exact_products(mode, counts_E, rows, 64, 64, a, b, not_prefetched, plan) == 0
+        assert torch.equal(prefetched, not_prefetched), mode
+
+
+@needs_c_loop
 @pytest.mark.parametrize("d_in, d_out", [(64, 64), (32, 64), (64, 32)])
 def test_c_loop_and_mkl_together_give_torch_grouped_mm_numbers_and_gradients(d_in, d_out, monkeypatch):
     """Group sizes on both sides of every plan's edges (1-3 rows, 4, 192 and 193, 1,024 and beyond) in one call, so

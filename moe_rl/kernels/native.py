@@ -81,9 +81,14 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("MOE_RL_NATIVE", "1") == "0" or sys.platform == "win32":
         return None
     try:
-        loaded = ctypes.CDLL(str(build(ISA_CAPS[isa_cap()])))
+        return load(build(ISA_CAPS[isa_cap()]))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def load(built_library: Path) -> ctypes.CDLL:
+    """A compiled kernel library with its functions' signatures set."""
+    loaded = ctypes.CDLL(str(built_library))
     for name, argtypes in _SIGNATURES.items():
         function = getattr(loaded, name)
         function.argtypes = argtypes
