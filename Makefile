@@ -82,9 +82,11 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_prefetch
 
 # On a CUDA machine: bf16 training steps, replay under autocast, grouped_mm throughput, an FSDP2 step and a paper-shaped
-# RL step, into results/bench/gpu.md (benchmarks/gpu_check.py). Without CUDA it says so and writes nothing.
+# RL step, into results/bench/gpu.md (benchmarks/gpu_check.py); then where the expert module's time goes
+# (benchmarks/gpu_experts.py, results/bench/gpu_experts.md). Without CUDA each says so and writes nothing.
 gpu-check: install
 	$(BIN)/python -m benchmarks.gpu_check
+	$(BIN)/python -m benchmarks.gpu_experts
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -233,3 +233,25 @@ def test_stop_run_ends_a_launcher_and_the_children_it_started_in_their_own_sessi
         time.sleep(0.1)
     else:
         raise AssertionError("the launcher's child outlived stop_run")
+
+
+def test_the_expert_split_without_cuda_prints_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from benchmarks import gpu_experts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_experts.main(["--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out == gpu_check.NO_CUDA + "\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_expert_split_contenders_run_forward_and_backward_on_cpu():
+    # on CPU only the bookkeeping is checked: each contender runs and leaves a gradient on an input it reads
+    from benchmarks import gpu_experts
+
+    fns = gpu_experts.contenders(n_experts=8, top_k=2, d_model=32, d_expert=16, tokens=64, device=CPU)
+    assert list(fns) == ["Experts module", "grouped products + SwiGLU", "grouped products alone", "dense matmuls"]
+    for name, fn in fns.items():
+        inputs = [cell.cell_contents for cell in (fn.__closure__ or ()) if isinstance(cell.cell_contents, torch.Tensor)
+                  and cell.cell_contents.requires_grad]
+        fn()
+        assert inputs and all(t.grad is not None and t.grad.abs().sum() > 0 for t in inputs), name
