@@ -11,8 +11,9 @@ paper-shaped RL step of bench_step, the two builds taking turns one rollout step
     python -m benchmarks.bench_prefetch            # about 3 minutes on a quiet CPU
     python -m benchmarks.bench_prefetch --steps 10  # more rollout steps per build
 Both builds must give the same numbers: every product is compared bit for bit, and the run stops if one differs.
-Only the AVX2 loop prefetches; where the loop does not run (no AVX2 with FMA, MOE_RL_ISA=baseline) or the CPU runs
-the AVX-512 loop, there is nothing to compare and it says so. Writes results/bench/<machine>/prefetch.md and .csv.
+The loop's AVX-512 and AVX2 versions both prefetch (the one this CPU and cap run is compared); where the loop does
+not run (no AVX2 with FMA, MOE_RL_ISA=baseline) there is nothing to compare and it says so. Writes
+results/bench/<machine>/prefetch.md and .csv.
 """
 
 from __future__ import annotations
@@ -39,15 +40,6 @@ PRODUCTS = {  # name: (mode, D, F) of grouped_gemm's three products at the gate/
     "weight grad, gate/up": (2, 64, 64), "weight grad, down": (2, 32, 64),
 }
 BUILDS = ("prefetch", "no prefetch")
-
-
-def runs_avx512_loop() -> bool:
-    """Whether the C loop runs its AVX-512 version here (native_kernels.c, exact_products: the CPU has AVX-512F and
-    the kernels are not capped below it)."""
-    from moe_rl.kernels import report
-
-    cpu = report()["cpu"]
-    return "avx512f" in cpu["features"] and cpu["kernels_isa"] == "avx512"
 
 
 def builds() -> dict[str, object]:
@@ -161,8 +153,6 @@ def main() -> None:
         print("the C product loop does not run here (it needs MKL and AVX2 with FMA): nothing to compare, nothing "
               "written")
         return
-    if runs_avx512_loop():
-        print("note: this CPU runs the AVX-512 loop, which does not prefetch: the two builds should time alike")
     libraries = builds()
     product_rows, step_rows = time_products(libraries, args.repeat), time_steps(libraries, args.steps)
     command = "python -m benchmarks.bench_prefetch" + (f" --steps {args.steps}" if args.steps != 6 else "") + \

@@ -24,10 +24,10 @@ FMA) that chains the same way gives torch's numbers without MKL's packing of sma
 MKL time without autograd and 0.77x with it at 704 tokens, and 1.03-1.04x at 8 experts of width 64). Nothing promises
 MKL sums that way, and where it starts fusing the multiply-adds differs between CPUs, so `exact_plan` compares the
 loop with torch's product on every checked group size up to 1,024 once per shape and process, for each way of
-rounding the first rows the loop offers, and the loop serves only the sizes where they agreed. Its AVX2 version also
-prefetches the next expert's block while it computes one (native_kernels.c, next_block): a hint that changes no
-number, worth 1.0-1.6x per product where a model's 48 layers of weights come from memory
-(benchmarks/bench_prefetch.py).
+rounding the first rows the loop offers, and the loop serves only the sizes where they agreed. It also prefetches
+the next expert's block while it computes one (native_kernels.c, next_block; the AVX-512 version in the input
+gradient only): a hint that changes no number, worth 1.0-1.9x per product where a model's 48 layers of weights come
+from memory (benchmarks/bench_prefetch.py).
 
 Where MKL or the C kernels are absent (other CPU builds, no C compiler), on CUDA, in other dtypes and at more than
 one thread, `grouped_mm` is torch._grouped_mm.

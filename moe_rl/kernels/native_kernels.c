@@ -488,12 +488,18 @@ int64_t expert_sgemm(void *sgemm_batch, int64_t mode, int64_t experts, const int
 /* The next expert's weight block (modes 0 and 1), or the weight gradient it will write (mode 2): brought towards the
    cache while this expert computes, a few lines per tile, one per step of a tile's chain. In a model's pass every
    layer's expert weights come from memory (the paper shape's 48 layers hold 144 MB of them), and the next block is
-   not where the hardware prefetcher looks: on a 2-core AVX2 AMD EPYC the loop ran at 40-70% of its in-cache speed
-   over 48 layers' operands, and this made the products 1.0-1.6x faster there (0.9-1.1x in cache) and the
-   paper-shaped RL step 1.10x (benchmarks/bench_prefetch.py builds the kernels with and without it,
-   -DMOE_RL_NO_PREFETCH, and times both in one process; results/bench/amd_avx2/prefetch.md). Spread out, not all at once: a burst of 256 prefetches at an expert's start changed nothing, the lines
-   past the core's miss buffers being dropped. Only the AVX2 loop does it: the AVX-512 one is unchanged until it is
-   measured on an AVX-512 CPU. A hint only: no number changes. */
+   not where the hardware prefetcher looks. benchmarks/bench_prefetch.py builds the kernels with and without it
+   (-DMOE_RL_NO_PREFETCH) and times both in one process, over 48 layers' operands and over one layer's (in cache);
+   the two builds differ by up to 10% even where their code paths are the same (layout), so what counts is the
+   48-layer ratio against the in-cache one. The AVX2 loop prefetches in every mode: on a 2-core AVX2 AMD EPYC the loop
+   ran at 40-70% of its in-cache speed over 48 layers and this made the products 1.0-1.6x faster (0.9-1.1x in cache);
+   on a Zen 4 capped to AVX2, 1.2-1.9x in the forward and the input gradient (results/bench/amd_avx512_capped_avx2/
+   prefetch.md). The AVX-512 loop prefetches in mode 1 only: on that Zen 4, uncapped, with every mode prefetched
+   (2026-12-04 15:11 UTC; the committed results/bench/amd_avx512/prefetch.md is the run of this choice), the input
+   gradient over 48 layers gained 1.3-1.4x (1.0-1.1x in cache), while the forward and the weight gradient at
+   decode-step group sizes lost (0.77-0.84x over 48 layers against 0.93-1.01x in cache); in both runs the RL step
+   moved by less than its noise. Spread out, not all at once: a burst of 256 prefetches at an expert's start changed
+   nothing, the lines past the core's miss buffers being dropped. A hint only: no number changes. */
 struct next_block {
     const char *start;
     int64_t lines;  /* 64-byte lines; 0: nothing to bring */
@@ -526,7 +532,8 @@ AVX512_HELPER __m512 chain_step(__m512 x, __m512 y, __m512 acc, const int fused)
 /* c[r][j] = sum over k of a[r * ar + k * ak] * b[k * ldb + j], for r < rows_used and j < 16 * vectors: inlined at
    each call with constant rows_used and vectors, so the accumulators stay in registers. */
 AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
-                                float *c, int64_t ldc, const int rows_used, const int vectors, const int fused)
+                                float *c, int64_t ldc, const int rows_used, const int vectors, const int fused,
+                                const char *ahead, int64_t ahead_lines, const int ahead_write)
 {
     __m512 acc[PRODUCT_ROWS][PRODUCT_VECTORS];
 #pragma GCC unroll 4
@@ -534,6 +541,7 @@ AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const fl
 #pragma GCC unroll 4
         for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < depth; ++k) {
+        if (k < ahead_lines) prefetch_line(ahead + 64 * k, ahead_write);
         __m512 bk[PRODUCT_VECTORS];
 #pragma GCC unroll 4
         for (int v = 0; v < vectors; ++v) bk[v] = _mm512_loadu_ps(b + k * ldb + 16 * v);
@@ -552,11 +560,12 @@ AVX512_HELPER void product_tile(const float *a, int64_t ar, int64_t ak, const fl
 
 /* One tile of rows_used rows with the columns' vectors and `fused` in constants, so product_tile unrolls and keeps
    one kind of step. */
-#define TILE_CASE(R, V)                                                  \
-    (fused ? product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 1)     \
-           : product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 0))
+#define TILE_CASE(R, V)                                                                                    \
+    (fused ? product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 1, ahead, ahead_lines, ahead_write)     \
+           : product_tile(a, ar, ak, b, ldb, depth, c, ldc, R, V, 0, ahead, ahead_lines, ahead_write))
 AVX512_HELPER void tile_of(const float *a, int64_t ar, int64_t ak, const float *b, int64_t ldb, int64_t depth,
-                           float *c, int64_t ldc, int rows_used, int vectors, int fused)
+                           float *c, int64_t ldc, int rows_used, int vectors, int fused, const char *ahead,
+                           int64_t ahead_lines, int ahead_write)
 {
     switch (rows_used * 8 + vectors) {
     case 1 * 8 + 1: TILE_CASE(1, 1); break;
@@ -629,12 +638,18 @@ static void chained_product_avx512(const float *a, int64_t ar, int64_t ak, const
                             int64_t depth, int64_t width, float *c, int64_t ldc, int fused,
                             const struct next_block *next)
 {
-    (void)next;  /* no prefetching here yet: measured on AVX2 only (next_block) */
+    int64_t tiles = ((width + 16 * PRODUCT_VECTORS - 1) / (16 * PRODUCT_VECTORS)) * ((rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS);
+    int64_t lines_left = next->lines, per_tile = tiles > 0 ? (lines_left + tiles - 1) / tiles : 0;
+    const char *ahead = next->start;
     for (int64_t j0 = 0; j0 < width; j0 += 16 * PRODUCT_VECTORS) {
         int vectors = (int)((width - j0) / 16 < PRODUCT_VECTORS ? (width - j0) / 16 : PRODUCT_VECTORS);
         for (int64_t r0 = 0; r0 < rows; r0 += PRODUCT_ROWS) {
             int rows_used = (int)(rows - r0 < PRODUCT_ROWS ? rows - r0 : PRODUCT_ROWS);
-            tile_of(a + r0 * ar, ar, ak, b + j0, ldb, depth, c + r0 * ldc + j0, ldc, rows_used, vectors, fused);
+            int64_t lines = per_tile < lines_left ? per_tile : lines_left;
+            tile_of(a + r0 * ar, ar, ak, b + j0, ldb, depth, c + r0 * ldc + j0, ldc, rows_used, vectors, fused, ahead,
+                    lines, next->write);
+            ahead += 64 * lines;
+            lines_left -= lines;
         }
     }
 }
@@ -771,10 +786,12 @@ int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int
     (void)vector_width;  /* unused in a build without vector kernels */
     transpose_fn transpose = NULL;
     chained_product_fn chained_product = NULL;
+    int prefetched_modes = 0;  /* bit m: mode m brings in the next expert's block (next_block says where it pays) */
 #ifdef AVX512_KERNELS
     if (vector_width % 16 == 0 && __builtin_cpu_supports("avx512f")) {
         transpose = transpose_avx512;
         chained_product = chained_product_avx512;
+        prefetched_modes = 1 << 1;
     }
 #endif
 #ifdef AVX2_KERNELS
@@ -782,6 +799,7 @@ int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int
         __builtin_cpu_supports("fma")) {
         transpose = transpose_avx2;
         chained_product = chained_product_avx2;
+        prefetched_modes = 1 << 0 | 1 << 1 | 1 << 2;
     }
 #endif
     if (chained_product == NULL) return -3;
@@ -802,7 +820,7 @@ int64_t exact_products(int64_t mode, int64_t experts, const int64_t *counts, int
         }
         int fused = n >= fused_from;
         struct next_block next = {NULL, 0, mode == 2};
-        if (e + 1 < experts) {
+        if (e + 1 < experts && (prefetched_modes >> mode & 1)) {
             next.start = (const char *)((mode == 2 ? c : b) + (e + 1) * d * f);
             next.lines = (int64_t)(d * f * sizeof(float) + 63) / 64;
         }
