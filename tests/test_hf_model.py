@@ -228,3 +228,25 @@ def test_a_model_built_in_python_is_wrapped_with_its_own_vocabulary_and_routes_a
         build_hf_model(wrapped.cfg)
     with pytest.raises(ConfigError, match="exactly one of hf_config"):
         ModelConfig(backend="hf")
+
+
+class _SumInFloat32(torch.overrides.TorchFunctionMode):
+    """CUDA's autocast policy for `sum` (it runs in fp32 and returns fp32), on CPU, where autocast keeps bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.sum, torch.Tensor.sum) and args[0].dtype == torch.bfloat16:
+            return func(args[0].float(), *args[1:], **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_the_gate_rule_gives_the_routers_own_weights_under_an_autocast_that_sums_in_fp32(family):
+    # Found on an H200: under CUDA's bf16 autocast DeepSeek-V3's router sums in fp32 but divides in place, so its
+    # weights stay bf16; a rule that divided out of place ran the experts with fp32 weights under replay.
+    model = hf_model(family)
+    router = model.moe_layers()[0].router
+    x_TD = torch.randn(12, SIZES["d_model"], generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16), _SumInFloat32():
+        logits_TE, weights_TK, ids_TK = router(x_TD)
+        ours_TK = FAMILIES[family].gate(router, logits_TE, ids_TK)
+    assert ours_TK.dtype == weights_TK.dtype and torch.equal(ours_TK, weights_TK)

@@ -50,10 +50,13 @@ def mixtral_gate(router, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch
 
 
 def deepseek_gate(router, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3: sigmoid scores gathered; the correction bias only ever affects the choice, not the weights."""
+    """DeepSeek-V3: sigmoid scores gathered; the correction bias only ever affects the choice, not the weights.
+    HF divides by the sum in place, so the weights keep the scores' dtype even where the sum does not: CUDA's bf16
+    autocast sums in fp32, and an out-of-place quotient would be fp32 there (replay then ran the experts with other
+    weights than the model's own: logits 0.02 apart on an H200, exact on CPU)."""
     weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
     if router.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        weights_TK = (weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)).to(weights_TK.dtype)
     return weights_TK * router.routed_scaling_factor
 
 
@@ -74,8 +77,9 @@ def sigmoid_scores(router, logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 def deepseek_choice(router, logits_TE: torch.Tensor) -> torch.Tensor:
-    """The scores DeepSeek-V3 ranks experts by: sigmoid + correction bias, -inf outside the best groups."""
-    choice_TE = logits_TE.float().sigmoid() + router.e_score_correction_bias
+    """The scores DeepSeek-V3 ranks experts by: sigmoid + correction bias, -inf outside the best groups. The sigmoid in
+    the logits' dtype, as the router takes it (bf16 under autocast), then the fp32 bias."""
+    choice_TE = logits_TE.sigmoid().float() + router.e_score_correction_bias
     T, E, G = choice_TE.shape[0], router.num_experts, router.num_group
     group_scores_TG = choice_TE.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
     best_groups_TG = torch.zeros_like(group_scores_TG).scatter_(
