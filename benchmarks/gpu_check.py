@@ -21,6 +21,11 @@ others still run.
    d_expert 32, 16 prompts x 8 completions, 4 minibatches; seconds per phase, medians of the measured steps after one
    warm-up. The trainer's clock is swapped for one that synchronises the GPU first, so a phase owns its GPU work.
 
+6. The Hugging Face backend (benchmarks/gpu_hf.py), tiny random models of every family under bf16 autocast: record
+   and replay give equal logits with deterministic kernels, the routers' own choice under the replay is the recorded
+   one, a shifted replay moves the logits; then `moe-rl train --model.backend hf --device cuda` for two steps under R2
+   (part 'hf_train').
+
 What it simplifies: random weights, tokens and routing (near-balanced at init); the RL step starts from a fresh model,
 so it times the machinery, not learning. With one GPU, torchrun starts one process, for which moe_rl.distributed forms
 no process group and `--parallel fsdp2` would change nothing; the torchrun process then joins a group of one itself
@@ -28,8 +33,8 @@ no process group and `--parallel fsdp2` would change nothing; the torchrun proce
 
     python -m benchmarks.gpu_check                 # one GPU or many (parts 1-3, 5 on cuda:0; part 4 on every GPU)
     python -m benchmarks.gpu_check --quick         # smaller everything (8 blocks in part 5)
-    python -m benchmarks.gpu_check --parts replay experts    # only some parts (train replay experts fsdp2 rl_step)
-The budgets cap a run near 8 minutes (--quick: 5). On CPU only it prints "gpu_check: no CUDA device; nothing run"
+    python -m benchmarks.gpu_check --parts replay experts    # only some parts (train replay experts fsdp2 rl_step hf hf_train)
+The budgets cap a run near 10 minutes (--quick: 7). On CPU only it prints "gpu_check: no CUDA device; nothing run"
 and exits 0, writing nothing. Otherwise it writes results/bench/gpu.md and gpu.json (the raw numbers) after every
 part, so a run stopped early keeps what it measured. Exit status 1 when a part failed or a check did not hold.
 """
@@ -61,7 +66,7 @@ from benchmarks.gpu_report import environment, markdown, verdict, write_report  
 # The moe_rl and benchmark imports sit inside the parts, so that a broken import is that part's error in the report.
 
 NO_CUDA = "gpu_check: no CUDA device; nothing run"
-PARTS = ("train", "replay", "experts", "fsdp2", "rl_step")
+PARTS = ("train", "replay", "experts", "fsdp2", "rl_step", "hf", "hf_train")
 TRAIN_SHAPES = ("d64 L8 E128 K8 F32", "d256 L4 E16 K4 F256")  # names in benchmarks/bench_model.SHAPES
 REPLAY_SHAPE = "d64 L8 E128 K8 F32"  # 128 experts: many near-ties, where a replay that drifted would show
 EXPERT_SHAPES = {"E128 K8 D1024 F512": (128, 8, 1024, 512), "E128 K8 D2048 F768 (Qwen3-30B-A3B)": (128, 8, 2048, 768)}
@@ -87,7 +92,7 @@ class Sizes:
     rl_steps: int = 3
     """Measured RL steps after one warm-up."""
     budgets: tuple[tuple[str, float], ...] = (("train", 40), ("replay", 30), ("experts", 30), ("fsdp2", 150),
-                                              ("rl_step", 150))
+                                              ("rl_step", 120), ("hf", 15), ("hf_train", 60))
     """Seconds per item of each part (each training shape, each expert shape): a hard limit; the timing loops stop
     adding repeats after 60% of it."""
 
@@ -98,7 +103,8 @@ class Sizes:
 DEFAULT = Sizes()
 QUICK = Sizes(train_batch=16, train_seq=64, train_steps=3, warmup=1, replay_batch=4, replay_seq=32, expert_tokens=4096,
               expert_repeat=3, rl_layers=8, rl_steps=1,
-              budgets=(("train", 20), ("replay", 15), ("experts", 15), ("fsdp2", 120), ("rl_step", 60)))
+              budgets=(("train", 20), ("replay", 15), ("experts", 15), ("fsdp2", 120), ("rl_step", 60), ("hf", 15),
+                       ("hf_train", 60)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -472,6 +478,12 @@ def plan(sizes: Sizes, device: torch.device, parts: list[str]) -> list[tuple[str
                                                           sizes.budget("fsdp2") - 35)))
     items.append(("rl_step", f"L{sizes.rl_layers}", partial(rl_step_phases, sizes.rl_layers, sizes.rl_steps, device,
                                                             soft("rl_step"))))
+    if {"hf", "hf_train"} & set(parts):
+        from benchmarks.gpu_hf import TRAIN_FAMILY, hf_replay, hf_train
+        from moe_rl.model.hf import FAMILIES
+
+        items += [("hf", family, partial(hf_replay, family, device)) for family in FAMILIES]
+        items.append(("hf_train", f"{TRAIN_FAMILY} R2", partial(hf_train, device)))
     return [(part, item, fn, sizes.budget(part)) for part, item, fn in items if part in parts]
 
 

@@ -90,6 +90,23 @@ def _md_rl_step(r: dict) -> list[str]:
             "| " + " | ".join(f"{s[p]:.3f} s" for p in r["phases"]) + f" | {total:.3f} s | {s['step wall']:.3f} s |"]
 
 
+def _md_hf(r: dict) -> list[str]:
+    cell = lambda c, key: f"{'equal' if c[key + '_equal'] else 'differ'} ({c[key + '_max_diff']:.3g})"  # noqa: E731
+    d, s = r["default"], r["deterministic"]
+    return [f"| {r['family']} | {cell(d, 'replay')} | {cell(d, 'again')} | {cell(s, 'replay')} | {cell(s, 'again')} "
+            f"| {d['native_under_replay_is_recorded'] and s['native_under_replay_is_recorded']} "
+            f"| {r['shifted_replay_logits_max_diff']:.3g} | {'; '.join(s['warnings']) or 'none'} | {verdict(r)} |"]
+
+
+def _md_hf_train(r: dict) -> list[str]:
+    losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+    churn = lambda xs: ", ".join(f"{x:.3g}" for x in xs) or "none"  # noqa: E731
+    return [f"Command (in a temporary directory `$TMP`): `{r['command']}`  ",
+            f"Exit status {r['exit_status']}; manifest status {r['status']}; {r['metric_lines']} metrics lines, "
+            f"losses [{losses}]; replay churn at minibatch 0 [{churn(r['replay_churn_minibatch_0'])}], later "
+            f"[{churn(r['replay_churn_later'])}]. Verdict: **{verdict(r)}**."]
+
+
 SECTIONS = {  # part: (title, table header lines, row formatter)
     "train": ("1. bf16 training steps of the native model (fp32 weights, bf16 autocast, AdamW)",
               ["Per step: CUDA events around zero_grad, forward, backward and the AdamW step; median after warm-up. "
@@ -106,6 +123,11 @@ SECTIONS = {  # part: (title, table header lines, row formatter)
                  "|---|---|---|---|---|---|---|"], _md_experts),
     "fsdp2": ("4. FSDP2 under torchrun (`moe-rl train --parallel fsdp2 --device cuda`)", [], _md_fsdp2),
     "rl_step": ("5. The paper-shaped RL step (Trainer.rl_step), seconds per phase", [], _md_rl_step),
+    "hf": ("6. The Hugging Face backend under bf16 autocast (tiny random models; logits equal or not, max difference)",
+           ["| family | default: record vs replay | default: native again (floor) | deterministic: record vs replay "
+            "| deterministic: native again | routers' choice under replay = recorded | shifted replay moves logits by "
+            "| warnings (deterministic) | result |", "|---|---|---|---|---|---|---|---|---|"], _md_hf),
+    "hf_train": ("7. `moe-rl train --model.backend hf --device cuda` (R2, two rollout steps)", [], _md_hf_train),
 }
 
 

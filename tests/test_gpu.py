@@ -1,11 +1,19 @@
 """GPU checks (bf16 autocast, grouped_mm on CUDA). CI has no GPU: every test here skips cleanly without one."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import metric_lines, tiny_config, tiny_model, tiny_train_config
-from moe_rl.model import MoETransformer
-from moe_rl.routing import record_routing, replay_routing
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
+    sys.path.insert(0, str(REPO))
+
+from conftest import metric_lines, tiny_config, tiny_model, tiny_train_config  # noqa: E402
+from moe_rl.model import MoETransformer  # noqa: E402
+from moe_rl.model.hf import FAMILIES  # noqa: E402
+from moe_rl.routing import record_routing, replay_routing  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,3 +56,11 @@ def test_bf16_training_steps_on_cuda(tmp_path):
     lines = metric_lines(train(cfg))
     assert len(lines) == 2 * 4
     assert all(torch.isfinite(torch.tensor(line["loss/total"])) for line in lines)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_replay_under_bf16_autocast_on_cuda_reproduces_the_recorded_logits(family):
+    from benchmarks.gpu_hf import hf_replay
+
+    r = hf_replay(family, torch.device("cuda"))
+    assert r["ok"], r

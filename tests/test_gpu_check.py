@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
     sys.path.insert(0, str(REPO))
 
-from benchmarks import gpu_check, gpu_fsdp2  # noqa: E402
+from benchmarks import gpu_check, gpu_fsdp2, gpu_hf  # noqa: E402
+from moe_rl.model.hf import FAMILIES as HF_FAMILIES  # noqa: E402
 
 CPU = torch.device("cpu")
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=99, n_experts=8, top_k=2, d_expert=16,
@@ -97,11 +98,19 @@ def _fake_report() -> dict:
     rl = {"shape": "d64 L48 E128 K8 F32", "batch": "16 prompts x 8 completions, 4 minibatches", "phases": phases,
           "seconds": {**dict.fromkeys(phases, 0.25), "step wall": 1.3}, "measured_steps": 3, "losses_finite": True,
           "ok": False}
+    passes = {"replay_equal": True, "replay_max_diff": 0.0, "again_equal": False, "again_max_diff": 0.00049,
+              "native_under_replay_is_recorded": True}
+    hf = {"family": "qwen3_moe", "tokens": "4x32", "shifted_replay_logits_max_diff": 0.02, "ok": True,
+          "default": passes, "deterministic": {**passes, "again_equal": True, "again_max_diff": 0.0, "warnings": []}}
+    hf_train = {"command": "moe-rl train ...", "exit_status": 0, "status": "finished", "metric_lines": 4,
+                "losses": [0.5, 0.25], "replay_churn_minibatch_0": [0.0, 0.0], "replay_churn_later": [0.125],
+                "ok": True}
     return {"command": "python -m benchmarks.gpu_check", "environment": ENV, "parts": {
         "train": {"d64 L8 E128 K8 F32": train, "d256 L4 E16 K4 F256": {"error": "OutOfMemoryError: CUDA out of\n",
                                                                        "ok": False, "part_seconds": 1.0}},
         "replay": {"d64 L8 E128 K8 F32": replay}, "experts": {"E128 K8 D1024 F512": experts, "other": None},
-        "fsdp2": {"1 process(es)": fsdp2}, "rl_step": {"L48": rl, "broken": {"ok": True, "surprise": 1}}}}
+        "fsdp2": {"1 process(es)": fsdp2}, "rl_step": {"L48": rl, "broken": {"ok": True, "surprise": 1}},
+        "hf": {"qwen3_moe": hf}, "hf_train": {"qwen3_moe R2": hf_train}}}
 
 
 def test_the_report_names_the_gpu_and_every_result_or_error():
@@ -120,6 +129,8 @@ def test_the_report_names_the_gpu_and_every_result_or_error():
     assert "| 0.250 s | 0.250 s | 0.250 s | 0.250 s | 0.250 s | 1.250 s | 1.300 s |" in md
     assert "| rl_step | L48 | FAIL |  |" in md
     assert "broken: (formatting failed: KeyError: 'seconds') raw:" in md  # a formatter's bug shows the raw numbers
+    assert ("| qwen3_moe | equal (0) | differ (0.00049) | equal (0) | equal (0) | True | 0.02 | none | pass |") in md
+    assert ("losses [0.5000, 0.2500]; replay churn at minibatch 0 [0, 0], later [0.125]. Verdict: **pass**.") in md
 
 
 def test_the_run_loop_writes_after_every_part_and_fails_when_a_part_does(tmp_path, monkeypatch):
@@ -151,8 +162,9 @@ def test_the_default_plan_fits_the_device_time_and_names_every_item():
     assert [(part, item) for part, item, _, _ in steps] == [
         ("train", "d64 L8 E128 K8 F32"), ("train", "d256 L4 E16 K4 F256"), ("replay", "d64 L8 E128 K8 F32"),
         ("experts", "E128 K8 D1024 F512"), ("experts", "E128 K8 D2048 F768 (Qwen3-30B-A3B)"),
-        ("fsdp2", "2 process(es)"), ("rl_step", "L48")]
-    assert sum(budget for *_, budget in steps) <= 8 * 60  # one device call has about 10 minutes
+        ("fsdp2", "2 process(es)"), ("rl_step", "L48"), *(("hf", family) for family in HF_FAMILIES),
+        ("hf_train", "qwen3_moe R2")]
+    assert sum(budget for *_, budget in steps) <= 10 * 60  # one device call has 10 minutes at most
     quick = gpu_check.plan(gpu_check.QUICK, CPU, ["replay", "rl_step"])
     assert [(part, item) for part, item, _, _ in quick] == [("replay", "d64 L8 E128 K8 F32"), ("rl_step", "L8")]
 
@@ -255,3 +267,21 @@ def test_the_expert_split_contenders_run_forward_and_backward_on_cpu():
                   and cell.cell_contents.requires_grad]
         fn()
         assert inputs and all(t.grad is not None and t.grad.abs().sum() > 0 for t in inputs), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_hf_replay_part_on_cpu_is_exact_and_a_shifted_replay_is_not(family):
+    r = gpu_hf.hf_replay(family, CPU)
+    assert r["ok"], r
+    for kernels in ("default", "deterministic"):
+        assert r[kernels]["replay_equal"] and r[kernels]["again_equal"] and r[kernels]["replay_max_diff"] == 0.0
+        assert r[kernels]["native_under_replay_is_recorded"]
+    assert r["shifted_replay_logits_max_diff"] > 0
+
+
+@pytest.mark.slow
+def test_the_hf_train_part_on_cpu_finishes_with_replay_churn_0_at_minibatch_0():
+    r = gpu_hf.hf_train(CPU)
+    assert r["ok"] and r["exit_status"] == 0 and r["status"] == "finished" and len(r["losses"]) == 4
+    assert r["replay_churn_minibatch_0"] == [0.0, 0.0]  # on CPU the replayed old pass is the routers' own choice
+    assert "--device cpu" in r["command"] and "$TMP/run" in r["command"]
