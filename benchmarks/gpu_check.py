@@ -33,7 +33,8 @@ no process group and `--parallel fsdp2` would change nothing; the torchrun proce
 
     python -m benchmarks.gpu_check                 # one GPU or many (parts 1-3, 5 on cuda:0; part 4 on every GPU)
     python -m benchmarks.gpu_check --quick         # smaller everything (8 blocks in part 5)
-    python -m benchmarks.gpu_check --parts replay experts    # only some parts (train replay experts fsdp2 rl_step hf hf_train)
+    python -m benchmarks.gpu_check --parts replay experts    # only some parts (of: train replay experts fsdp2
+                                                             # rl_step hf hf_train)
 The budgets cap a run near 10 minutes (--quick: 7). On CPU only it prints "gpu_check: no CUDA device; nothing run"
 and exits 0, writing nothing. Otherwise it writes results/bench/gpu.md and gpu.json (the raw numbers) after every
 part, so a run stopped early keeps what it measured. Exit status 1 when a part failed or a check did not hold.

@@ -1,8 +1,8 @@
 """Where a forward+backward's CPU time goes, native model against Hugging Face Qwen3-MoE of the same size, op by op.
 
 bench_model times the two; this says why they differ (or do not): torch.profiler over a few steps of each, taking
-turns (after warm-up, one thread, the kernel families this machine's measurement chose), self CPU time per aten op and per moe-rl
-kernel Function, side by side. The profiler adds a few microseconds per op, so the totals run above bench_model's
+turns (after warm-up, one thread, the kernel families this machine's measurement chose), self CPU time per aten op
+and per moe-rl kernel Function, side by side. The profiler adds a few microseconds per op, so the totals run above bench_model's
 times, most for the model with more ops; read the shares and the op rows, not the totals, as the measurement.
 
     python -m benchmarks.profile_fwd_bwd                          # the d256 bench shape

@@ -638,7 +638,8 @@ static void chained_product_avx512(const float *a, int64_t ar, int64_t ak, const
                             int64_t depth, int64_t width, float *c, int64_t ldc, int fused,
                             const struct next_block *next)
 {
-    int64_t tiles = ((width + 16 * PRODUCT_VECTORS - 1) / (16 * PRODUCT_VECTORS)) * ((rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS);
+    int64_t tiles = ((width + 16 * PRODUCT_VECTORS - 1) / (16 * PRODUCT_VECTORS)) *
+                    ((rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS);
     int64_t lines_left = next->lines, per_tile = tiles > 0 ? (lines_left + tiles - 1) / tiles : 0;
     const char *ahead = next->start;
     for (int64_t j0 = 0; j0 < width; j0 += 16 * PRODUCT_VECTORS) {
