@@ -14,7 +14,6 @@ tests/test_hf_train.py) check the same contract in fp32 bit for bit.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import tempfile
 import warnings
@@ -97,6 +96,7 @@ def hf_replay(family: str, device: torch.device) -> dict:
 def hf_train(device: torch.device, steps: int = 2) -> dict:
     """`moe-rl train` with the HF backend on this device, in-process (the flags parsed as on the shell)."""
     from moe_rl.cli import main
+    from moe_rl.runs.runlog import read_manifest, read_metrics
 
     sizes = [f"--model.{key.replace('_', '-')}={value}" for key, value in HF_SIZES.items() if key != "init_std"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,8 +106,7 @@ def hf_train(device: torch.device, steps: int = 2) -> dict:
                 "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.sampling.max-new-tokens",
                 "16", "--quiet"]
         status = main(args)
-        lines = [json.loads(text) for text in (run / "metrics.jsonl").read_text().splitlines()]
-        manifest = json.loads((run / "manifest.json").read_text())
+        lines, manifest = read_metrics(run), read_manifest(run)
     losses = [line["loss/total"] for line in lines if "loss/total" in line]
     churn = lambda first: [line["routing/replay/churn"] for line in lines  # noqa: E731
                            if "routing/replay/churn" in line and (line.get("minibatch") == 0) == first]
