@@ -402,6 +402,30 @@ def test_sampler_experts_kernel_refuses_slots_outside_the_batch():
 
 
 @needs_native
+def test_the_sampler_experts_kernels_prefetching_changes_no_number(tmp_path, monkeypatch):
+    """The kernel asks for the next expert's weights while it computes (native_kernels.c, bring_ahead): a hint, so
+    the kernels built without it (-DMOE_RL_NO_PREFETCH, what benchmarks/bench_prefetch.py compares with) give the
+    same bits, with idle experts (an empty expert is passed over, its successor not brought), a last expert with
+    slots (nothing after it to bring) and blocks of every size mod 4."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    without = native.load(native.build(tuple((*flags, "-DMOE_RL_NO_PREFETCH")
+                                             for flags in native.ISA_CAPS[native.isa_cap()])))
+    calls = []
+    for E, K, D, F, T in ((128, 8, 64, 32, 128), (8, 2, 64, 64, 33), (16, 4, 48, 80, 7)):
+        experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
+        slots = sort_slots(ids_TK, E)
+        calls.append(lambda experts=experts, x_TD=x_TD, weights_TK=weights_TK, slots=slots: sampler.sampler_experts(
+            x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
+        assert slots.counts_E[-1] > 0 or E == 16, "a case whose last expert has slots"
+    with torch.inference_mode():
+        prefetched = [call() for call in calls]
+        monkeypatch.setattr(sampler, "native_library", lambda: without)
+        not_prefetched = [call() for call in calls]
+    for number, (a, b) in enumerate(zip(prefetched, not_prefetched)):
+        assert torch.equal(a, b), number
+
+
+@needs_native
 def test_the_sampler_kernels_round_alike_in_the_widest_and_the_baseline_build(tmp_path, monkeypatch):
     """The sampler's kernels are written as 16-lane vector arithmetic so that the AVX-512, AVX2 and baseline versions
     give the same bits (sampling on two CPUs of a cluster differs only where torch's own kernels do): the loaded build

@@ -1160,15 +1160,41 @@ VECTOR_HELPER vec16 silu16(vec16 g)
     return g / (exp_in_range(minus_g) + 1.0f);
 }
 
+/* The next expert's weights, requested while this expert computes: at the paper's shape each decode step reads every
+   layer's experts (3 MB at 128 experts) from memory, and the next expert's are not where the hardware prefetcher
+   looks. Two 64-byte lines per step of the products' depth loop, so that one block of four slots asks for all of
+   them (256 lines of gate/up weights over its 64 steps, 128 of down weights over 32), towards L2 (the current
+   expert's 24 KB stay in L1). Spread out, because a burst of all 384 lines at the expert's start (this kernel's
+   prefetching until 2026-12-04) overflowed the core's miss buffers: on a Zen 4 (AVX-512) the kernel over 48 layers'
+   weights took 431-438 us per decode step's layer with the burst, 344-390 us without any prefetching, 278-296 us
+   with two lines a step (1 a step: 338-356 us; 4: 309-328 us); in cache 210-255 us either way, the same bits
+   (benchmarks/bench_prefetch.py times the builds with and without, -DMOE_RL_NO_PREFETCH). A hint: no number changes. */
+#define SAMPLER_LINES_PER_STEP 2
+
+struct lines_ahead {
+    const char *next, *end;
+};
+
+VECTOR_HELPER void bring_ahead(struct lines_ahead *ahead)
+{
+#ifndef MOE_RL_NO_PREFETCH
+    for (int i = 0; i < SAMPLER_LINES_PER_STEP && ahead->next < ahead->end; ++i, ahead->next += 64)
+        __builtin_prefetch(ahead->next, 0, 2);
+#else
+    (void)ahead;
+#endif
+}
+
 /* rows[i] (SLOT_BLOCK of them, each `width` floats) = sum_k in[i][k] * w[k], for k < depth; w rows `width` apart.
    Four vectors of columns at a time (16 accumulators), so each weight row is read in one sweep. */
 VECTOR_HELPER void block_times(const float *const in[SLOT_BLOCK], const float *w, int64_t depth, int64_t width,
-                               float *const rows[SLOT_BLOCK])
+                               float *const rows[SLOT_BLOCK], struct lines_ahead *ahead)
 {
     int64_t c0 = 0;
     for (; c0 + 4 * LANES <= width; c0 += 4 * LANES) {
         vec16 acc[SLOT_BLOCK][4] = {{{0}}};
         for (int64_t k = 0; k < depth; ++k) {
+            bring_ahead(ahead);
             const float *wk = w + k * width + c0;
             vec16 w0 = load16(wk), w1 = load16(wk + LANES), w2 = load16(wk + 2 * LANES), w3 = load16(wk + 3 * LANES);
             for (int i = 0; i < SLOT_BLOCK; ++i) {
@@ -1192,24 +1218,18 @@ VECTOR_HELPER void block_times(const float *const in[SLOT_BLOCK], const float *w
     }
 }
 
-/* Ask for an expert's weights ahead of its turn: at the paper's shape each decode step reads every layer's experts
-   (3 MB at 128 experts) from memory, and the products of one expert take less time than fetching the next. */
-VECTOR_HELPER void prefetch_weights(const float *w, int64_t floats)
-{
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(w + i, 0, 1);
-}
-
 /* AVX2's 16 registers hold 8 floats each: the 16 accumulators of block_times (16 floats each) would take 32 of them
    and spill on every step of k, which made this kernel 3.7-5.3x slower than the grouped path on a 2-core AMD EPYC
    with AVX2 (process time at decode shapes, 128 experts top-8 and 8 top-2). This version keeps two 8-float vectors
    of columns per slot (8 accumulators and 2 weight vectors). Each output still adds its products over k in order,
    each product and sum rounded once, so both versions give the same bits; only the tiling differs. */
 VECTOR_HELPER void block_times_narrow(const float *const in[SLOT_BLOCK], const float *w, int64_t depth,
-                                      int64_t width, float *const rows[SLOT_BLOCK])
+                                      int64_t width, float *const rows[SLOT_BLOCK], struct lines_ahead *ahead)
 {
     for (int64_t c0 = 0; c0 < width; c0 += 16) {  /* width is a multiple of 16 */
         vec8 acc[SLOT_BLOCK][2] = {{{0}}};
         for (int64_t k = 0; k < depth; ++k) {
+            bring_ahead(ahead);
             vec8 w0 = load8(w + k * width + c0), w1 = load8(w + k * width + c0 + 8);
             for (int i = 0; i < SLOT_BLOCK; ++i) {
                 const float a = in[i][k];
@@ -1249,10 +1269,10 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
     int64_t start = 0;
     for (int64_t e = 0; e < experts; start += counts[e], ++e) {
         const float *wgu = w_gate_up + e * d * 2 * f, *wd = w_down + e * f * d;
-        if (e + 1 < experts) {
-            prefetch_weights(wgu + d * 2 * f, d * 2 * f);
-            prefetch_weights(wd + f * d, f * d);
-        }
+        const int64_t next = e + 1 < experts;  /* the last expert has none to bring: an empty range */
+        struct lines_ahead gate_up_ahead = {(const char *)(wgu + d * 2 * f),
+                                            (const char *)(wgu + (1 + next) * d * 2 * f)};
+        struct lines_ahead down_ahead = {(const char *)(wd + f * d), (const char *)(wd + (1 + next) * f * d)};
         for (int64_t s0 = start; s0 < start + counts[e]; s0 += SLOT_BLOCK) {
             const int64_t used = start + counts[e] - s0 < SLOT_BLOCK ? start + counts[e] - s0 : SLOT_BLOCK;
             const float *in[SLOT_BLOCK];
@@ -1263,17 +1283,17 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
                 gate_weight[i] = weights[order_N[s]];
             }
             if (narrow)
-                block_times_narrow(in, wgu, d, 2 * f, gate_up);
+                block_times_narrow(in, wgu, d, 2 * f, gate_up, &gate_up_ahead);
             else
-                block_times(in, wgu, d, 2 * f, gate_up);
+                block_times(in, wgu, d, 2 * f, gate_up, &gate_up_ahead);
             for (int i = 0; i < SLOT_BLOCK; ++i)
                 for (int64_t j = 0; j < f; j += LANES)
                     store16(hidden[i] + j, silu16(load16(gate_up[i] + j)) * load16(gate_up[i] + f + j) *
                                                gate_weight[i]);
             if (narrow)
-                block_times_narrow((const float *const *)hidden, wd, f, d, y);
+                block_times_narrow((const float *const *)hidden, wd, f, d, y, &down_ahead);
             else
-                block_times((const float *const *)hidden, wd, f, d, y);
+                block_times((const float *const *)hidden, wd, f, d, y, &down_ahead);
             for (int i = 0; i < used; ++i) {
                 float *row = out + token_N[s0 + i] * d;
                 for (int64_t c = 0; c < d; c += LANES) store16(row + c, load16(row + c) + load16(y[i] + c));
