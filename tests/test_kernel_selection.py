@@ -217,3 +217,28 @@ def test_a_cpu_run_manifest_records_the_kernel_paths():
     facts = environment("cpu")
     assert facts["kernels"]["families"] == kernels.report()["families"]
     assert facts["kernels"]["cpu"]["aten_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+@needs_native
+def test_the_sampler_experts_kernel_is_timed_at_its_own_call_which_it_serves():
+    """Its workloads are the experts call of a decode step at both measured shapes (not a whole decode loop, whose
+    shared costs diluted the ratio to the threshold's edge), and the kernel is reached in each: the race times it."""
+    workloads = measure._PLANS["sampler_experts"][1]()
+    assert len(workloads) == 2
+    calls = []
+    real = replaceable._FAST["routed_experts"]
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not NotImplemented)
+        return out
+
+    replaceable._FAST["routed_experts"] = counting
+    try:
+        for work in workloads:
+            assert measure._served(selection.forced, "sampler_experts", work, {})
+            with selection.forced(sampler_experts=True):
+                work()
+    finally:
+        replaceable._FAST["routed_experts"] = real
+    assert calls and all(calls)  # one routed_experts call per run of a workload, and the kernel took each

@@ -2,8 +2,9 @@
 
 Shapes: the paper's routing shape at a CPU width (704 tokens, a 32-sequence minibatch; 128 experts, top-8, d_model
 64, expert width 32) and a small one (8 experts, top-2, expert width 64), with and without autograd where the family
-serves both; the sampler's families by decode loops of two small models (batch 64, prompt 16, 24 new tokens; the
-decode kernel's cost grows with the context, so short contexts would flatter it).
+serves both; the sampler's experts by their call at a decode step of both shapes (64 rows), the sampler's attention
+by decode loops of two small models (batch 64, prompt 16, 24 new tokens; the decode kernel's cost grows with the
+context, so short contexts would flatter it).
 
 Times are this process's CPU seconds (time.process_time, one torch thread), so a loaded machine slows both
 contenders alike instead of whichever it preempts. Each contender runs in alternation with the other, several rounds (three for the long decode loops); a family is
@@ -230,6 +231,34 @@ def _rotary_workloads():
     return [lambda: apply_rotary(x_BSHDh, cos, sin), with_grad]
 
 
+def _sampler_experts_workloads():
+    """The sampler's experts call at a decode step (64 rows, one token each, inference mode), at both shapes.
+
+    Timed alone rather than inside a decode loop: in the loops (below) the attention, router and norms, the same in
+    both arms, diluted the kernel's 0.45-0.65x to 0.82-0.89x on a Zen 4, astride INEXACT_FASTER_BY, so that one
+    measurement sampled with the kernel and the next without (2026-12-04)."""
+    from moe_rl.model.moe import routed_experts, sort_slots
+
+    work = []
+    for shape in (PAPER, SMALL):
+        shape = {**shape, "tokens": 64}
+        scores_TE, ids_TK = _routing(**shape)
+        weights_TK = scores_TE.gather(-1, ids_TK)
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        slots = sort_slots.reference(ids_TK, shape["experts"])
+        E, D, F = shape["experts"], shape["d_model"], shape["d_expert"]
+        x_TD = torch.randn(shape["tokens"], D, generator=_generator(6))
+        w_gate_up = torch.randn(E, D, 2 * F, generator=_generator(7)) * D**-0.5
+        w_down = torch.randn(E, F, D, generator=_generator(8)) * F**-0.5
+
+        def decode_step(x_TD=x_TD, weights_TK=weights_TK, slots=slots, w_gate_up=w_gate_up, w_down=w_down):
+            with torch.inference_mode():
+                routed_experts(x_TD, weights_TK, slots, w_gate_up, w_down)
+
+        work.append(decode_step)
+    return work
+
+
 def _sampler_workloads():
     """Decode loops as the sampler runs them (inference mode, a KV cache made there, one token per step)."""
     from moe_rl.model import ModelConfig, MoETransformer
@@ -290,5 +319,5 @@ _PLANS = {  # family: (what is missing, or None; the workloads), in the order th
     "mkl_products": (_mkl_missing, _products_workloads),
     "rotary": (_library_missing, _rotary_workloads),
     "decode_attention": (_library_missing, _sampler_workloads),
-    "sampler_experts": (_library_missing, _sampler_workloads),
+    "sampler_experts": (_library_missing, _sampler_experts_workloads),
 }
