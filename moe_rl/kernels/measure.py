@@ -235,8 +235,8 @@ def _sampler_experts_workloads():
     """The sampler's experts call at a decode step (64 rows, one token each, inference mode), at both shapes.
 
     Timed alone rather than inside a decode loop: in the loops (below) the attention, router and norms, the same in
-    both arms, diluted the kernel's 0.45-0.65x to 0.82-0.89x on a Zen 4, astride INEXACT_FASTER_BY, so that one
-    measurement sampled with the kernel and the next without (2026-12-04)."""
+    both arms, diluted the kernel's 0.50-0.56x (its call alone) to 0.82-0.88x on a Zen 4, astride INEXACT_FASTER_BY,
+    so that one measurement sampled with the kernel and the next without (2026-12-04)."""
     from moe_rl.model.moe import routed_experts, sort_slots
 
     work = []
