@@ -410,13 +410,15 @@ def test_the_sampler_experts_kernels_prefetching_changes_no_number(tmp_path, mon
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     without = native.load(native.build(tuple((*flags, "-DMOE_RL_NO_PREFETCH")
                                              for flags in native.ISA_CAPS[native.isa_cap()])))
-    calls = []
+    calls, last_expert_busy, some_expert_idle = [], [], []
     for E, K, D, F, T in ((128, 8, 64, 32, 128), (8, 2, 64, 64, 33), (16, 4, 48, 80, 7)):
         experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
         slots = sort_slots(ids_TK, E)
         calls.append(lambda experts=experts, x_TD=x_TD, weights_TK=weights_TK, slots=slots: sampler.sampler_experts(
             x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
-        assert slots.counts_E[-1] > 0 or E == 16, "a case whose last expert has slots"
+        last_expert_busy.append(bool(slots.counts_E[-1] > 0))
+        some_expert_idle.append(bool((slots.counts_E == 0).any()))
+    assert any(last_expert_busy) and any(some_expert_idle), "the cases the docstring names"
     with torch.inference_mode():
         prefetched = [call() for call in calls]
         monkeypatch.setattr(sampler, "native_library", lambda: without)

@@ -966,7 +966,7 @@ VECTOR_HELPER void weighted_values(const float *weight, const float *v, int64_t 
    Their natural 32-byte alignment is what lets GCC keep them in registers: declared aligned(4) (as they were until
    2026-12-04, like vec16 above), every 8-float value went through the stack (each load8 as two 16-byte stores and a
    32-byte reload, a store-forwarding stall, and the accumulators spilled). On a Zen 4 capped to AVX2 the AVX2 build
-   of sampler_experts took 1.87-2.0 ms per decode-step layer (128 rows, 128 experts, top-8, d64, F32), 273-295 us
+   of sampler_experts took 1.87-2.03 ms per decode-step layer (128 rows, 128 experts, top-8, d64, F32), 273-295 us
    naturally aligned (the AVX-512 version: 210-245 us); decode_attention (64 rows, 4 heads over 2, dh 16, 40
    positions) 414 us, then 48 us; the same bits (loads and stores only moved). */
 typedef float vec8 __attribute__((vector_size(32)));
