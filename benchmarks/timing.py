@@ -81,4 +81,9 @@ def kernels_lines() -> list[str]:
              f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels capped at {cpu['kernels_isa']} (the widest built version the CPU runs is picked at load); ISA caps: {caps}.", "",
              "| kernel family | used | why |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if c['used'] else 'no'} | {c['why']} |" for name, c in report["families"].items()]
+    busy = report["measurement"].get("busy_cores")
+    if busy is not None:
+        lines += ["", f"While the choice was measured, other processes kept {busy:.2f} cores busy on average"
+                  + (" (over 0.5: a provisional choice, measured again on the first idle start)."
+                     if report["measurement"]["provisional"] else ".")]
     return lines

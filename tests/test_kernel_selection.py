@@ -1,6 +1,10 @@
 """Which kernel families run: measured once per machine, cached, overridable, recorded; and the seam itself."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -36,14 +40,79 @@ def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh
     chosen = selection.choices()
     assert torch.equal(torch.random.get_rng_state(), state), "the measurement must not draw from the global RNG"
     (written,) = fresh_choice.glob("kernel_choice_*.json")
-    assert json.loads(written.read_text()) == chosen
+    record = json.loads(written.read_text())
+    assert record["families"] == chosen and record["measurement"] == selection.report()["measurement"]
+    assert set(record["measurement"]) == {"busy_cores", "provisional"}
     for family, choice in chosen.items():
         assert isinstance(choice["used"], bool) and choice["why"], family
         if choice["why"].startswith("measured"):
             assert len(choice["fast_s"]) == len(choice["reference_s"]) > 0
     selection.reset()
     monkeypatch.setattr(selection, "measure_all", lambda forced: pytest.fail("measured again despite the cache"))
+    monkeypatch.setattr(selection, "machine_idle", lambda: False)  # were the suite's load to make it provisional
     assert selection.choices() == chosen
+
+
+def _families(why: str) -> dict[str, dict]:
+    return {family: {"used": False, "why": why} for family in kernels.FAMILIES}
+
+
+@needs_native
+@pytest.mark.skipif(selection._machine_busy_seconds() is None, reason="reads the machine's busy time in /proc/stat")
+def test_a_measurement_while_another_process_keeps_a_core_busy_is_provisional(fresh_choice, monkeypatch):
+    """The measurement counts the CPU time other processes took while it ran: here a child process spins for a
+    second while this one waits, so about one core was busy with someone else's work."""
+    def measure_beside_a_spinning_process(forced):
+        subprocess.run([sys.executable, "-c", "import time\nend = time.perf_counter() + 1.0\n"
+                        "while time.perf_counter() < end: pass"], check=True)
+        return _families("measured beside a busy core")
+
+    monkeypatch.setattr(selection, "measure_all", measure_beside_a_spinning_process)
+    assert selection.choices() == _families("measured beside a busy core")
+    measurement = selection.report()["measurement"]
+    assert 0.5 < measurement["busy_cores"] <= os.cpu_count() and measurement["provisional"] is True
+    (written,) = fresh_choice.glob("kernel_choice_*.json")
+    assert json.loads(written.read_text())["measurement"] == measurement
+
+
+@needs_native
+@pytest.mark.skipif(selection._machine_busy_seconds() is None, reason="reads the machine's busy time in /proc/stat")
+def test_a_machine_with_another_process_spinning_is_not_idle():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # past its start-up
+        assert selection.machine_idle() is False
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+@pytest.mark.parametrize("provisional, idle, measures_again", [(True, True, True), (True, False, False),
+                                                               (False, True, False)])
+def test_a_provisional_choice_is_measured_again_on_the_first_idle_start(provisional, idle, measures_again,
+                                                                         fresh_choice, monkeypatch):
+    """A choice measured on a busy machine is used and cached; the next process measures again only if it starts on
+    an idle machine (a test suite's other workers reuse it instead of each measuring under the same load)."""
+    busy = 1.0 if provisional else 0.1
+    monkeypatch.setattr(selection, "measured_noting_others", lambda: (_families("first"), busy))
+    assert selection.choices() == _families("first")
+    assert selection.report()["measurement"] == {"busy_cores": busy, "provisional": provisional}
+    selection.reset()
+    monkeypatch.setattr(selection, "machine_idle", lambda: idle)
+    monkeypatch.setattr(selection, "measured_noting_others", lambda: (_families("again"), 0.0))
+    assert selection.choices() == _families("again" if measures_again else "first")
+    assert selection.report()["measurement"]["provisional"] is (provisional and not measures_again)
+
+
+@needs_native
+@pytest.mark.parametrize("content", ['{"topk": {"used": true, "why": "an older format"}}', "{not json",
+                                     '{"families": {}, "measurement": {"provisional": false}}'])
+def test_a_damaged_or_older_choice_file_is_measured_again(content, fresh_choice, monkeypatch):
+    monkeypatch.setattr(selection, "_machine_key", lambda: "k")
+    (fresh_choice / "kernel_choice_k.json").write_text(content)
+    monkeypatch.setattr(selection, "measured_noting_others", lambda: (_families("measured"), 0.0))
+    assert selection.choices() == _families("measured")
+    assert json.loads((fresh_choice / "kernel_choice_k.json").read_text())["families"] == _families("measured")
 
 
 @needs_native
