@@ -87,6 +87,7 @@ def test_a_machine_with_another_process_spinning_is_not_idle():
         spinner.wait()
 
 
+@needs_native
 @pytest.mark.parametrize("provisional, idle, measures_again", [(True, True, True), (True, False, False),
                                                                (False, True, False)])
 def test_a_provisional_choice_is_measured_again_on_the_first_idle_start(provisional, idle, measures_again,
