@@ -70,7 +70,8 @@ def test_a_measurement_while_another_process_keeps_a_core_busy_is_provisional(fr
     monkeypatch.setattr(selection, "measure_all", measure_beside_a_spinning_process)
     assert selection.choices() == _families("measured beside a busy core")
     measurement = selection.report()["measurement"]
-    assert 0.5 < measurement["busy_cores"] <= os.cpu_count() and measurement["provisional"] is True
+    # at most every core, give or take /proc/stat's 10 ms ticks (with the suite's other worker busy too: 2.01 of 2)
+    assert 0.5 < measurement["busy_cores"] <= os.cpu_count() + 0.1 and measurement["provisional"] is True
     (written,) = fresh_choice.glob("kernel_choice_*.json")
     assert json.loads(written.read_text())["measurement"] == measurement
 

@@ -218,6 +218,36 @@ def _products_workloads():
     return work
 
 
+def _swiglu_workloads():
+    """The activation of the experts' rows at both shapes (every slot's row: tokens x top-k), without and with
+    autograd."""
+    from moe_rl.model.moe import swiglu
+
+    work = []
+    for shape in (PAPER, SMALL):
+        N, F = shape["tokens"] * shape["top_k"], shape["d_expert"]
+        gate_up_N2F = torch.randn(N, 2 * F, generator=_generator(9))
+        grad_NF = torch.randn(N, F, generator=_generator(10))
+
+        def with_grad(gate_up_N2F=gate_up_N2F, grad_NF=grad_NF):
+            swiglu(gate_up_N2F.clone().requires_grad_()).backward(grad_NF)
+
+        work += [lambda gate_up_N2F=gate_up_N2F: swiglu(gate_up_N2F), with_grad]
+    return work
+
+
+def _swiglu_missing() -> str | None:
+    from moe_rl.kernels.activation import exact_variant
+
+    if _library_missing():
+        return _library_missing()
+    if torch.get_num_threads() != 1:
+        return "it serves one torch thread"
+    if exact_variant(PAPER["d_expert"]) is None and exact_variant(SMALL["d_expert"]) is None:
+        return "no way of the C pass gives torch's bits at the measured widths with this torch build and CPU"
+    return None
+
+
 def _rotary_workloads():
     from moe_rl.model.layers import Rotary, apply_rotary
 
@@ -317,6 +347,7 @@ _PLANS = {  # family: (what is missing, or None; the workloads), in the order th
     "rows": (_library_missing, _rows_workloads),
     "exact_products": (_exact_missing, _products_workloads),  # before its host (HOSTS)
     "mkl_products": (_mkl_missing, _products_workloads),
+    "swiglu": (_swiglu_missing, _swiglu_workloads),
     "rotary": (_library_missing, _rotary_workloads),
     "decode_attention": (_library_missing, _sampler_workloads),
     "sampler_experts": (_library_missing, _sampler_experts_workloads),

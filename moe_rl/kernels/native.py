@@ -1,12 +1,12 @@
 """moe-rl's C kernels (native_kernels.c beside this file): built once per machine, loaded with ctypes.
 
-The kernels serve the routing hot path on CPU: the router's top-k (topk.py), sorting token-slots by expert,
-gathering the experts' input rows and adding up their outputs (rows.py), setting up the experts' MKL batch products
-and computing them in MKL's own order where a check at load shows the same bits (grouped_gemm.py), the rotary
-embedding and the fp32 sampler's decode attention (attention.py) and experts (sampler.py). Each gives exactly the
-numbers of the torch code it replaces (native_kernels.c says why for each), so whether they are used changes speed
-only; the exceptions are the fp32 sampler's two kernels, which agree with torch to fp32 rounding. Which of them run
-on a machine is measured (selection.py).
+The kernels serve the routing hot path on CPU: the router's top-k (topk.py), sorting token-slots by expert, gathering
+the experts' input rows and adding up their outputs (rows.py), setting up the experts' MKL batch products and computing
+them in MKL's own order where a check at load shows the same bits (grouped_gemm.py), their SwiGLU (activation.py,
+likewise checked), the rotary embedding and the fp32 sampler's decode attention (attention.py) and experts (sampler.py).
+Each gives exactly the numbers of the torch code it replaces (native_kernels.c says why for each), so whether they are
+used changes speed only; the exceptions are the fp32 sampler's two kernels, which agree with torch to fp32 rounding.
+Which of them run on a machine is measured (selection.py).
 
 MOE_RL_ISA caps the instruction sets of these kernels, as ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS and
 ONEDNN_MAX_CPU_ISA cap torch's: `avx512` (the default: every version, the widest picked at load), `avx2` (one
@@ -55,6 +55,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "rotate_half": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR],
     "decode_attention": [_PTR, _PTR, _PTR, *[_I64] * 10, _PTR, ctypes.c_float, _PTR],
     "sampler_experts": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
+    "swiglu": [_I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR],
 }
 
 

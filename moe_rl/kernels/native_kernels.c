@@ -1,5 +1,5 @@
-/* moe-rl's CPU kernels for the routing hot path (and the rotary embedding), loaded with ctypes by
-   moe_rl/model/native.py.
+/* moe-rl's CPU kernels for the routing hot path (and the rotary embedding and the experts' SwiGLU), loaded with
+   ctypes by moe_rl/kernels/native.py.
 
    Each one computes exactly what the torch code it replaces computes (it compares, counts, copies, adds in the order
    torch adds, multiplies and adds element by element with torch's roundings, hands the arithmetic to MKL's own
@@ -1316,3 +1316,126 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
 #define SAMPLER_EXPERTS_NAMES x, tokens, d, f, k, token_N, order_N, weights, counts, experts, w_gate_up, w_down, out
 #define SAMPLER_EXPERTS_CALL(narrow) sampler_experts_body(SAMPLER_EXPERTS_NAMES, narrow)
 PER_ISA_VERSIONS(sampler_experts, SAMPLER_EXPERTS_ARGS, SAMPLER_EXPERTS_NAMES, SAMPLER_EXPERTS_CALL)
+
+/* ---------------------------------------------------------------------------------------------------------------
+   SwiGLU of the experts' hidden rows, forward and backward
+
+   gate_up (rows, 2f), contiguous, holds each row's gate in its first f columns and its up in the other f.
+   Forward (grad_h NULL): out (rows, f) = silu(gate) * up, with silu(x) = x / (1 + exp(-x)).
+   Backward: out (rows, 2f) = the gate's gradient silu_backward(grad_h * up, gate) = (dy * s) * (1 + x * (1 - s)),
+   s = 1 / (1 + exp(-x)), beside the up's, grad_h * silu(gate).
+   These are the operations, in the order of torch's CPU kernels for silu, silu_backward and mul, each rounded once,
+   with torch's own exp: the caller (activation.py) passes the Sleef function torch's vectors call (16 lanes on
+   AVX-512, 8 on AVX2) or, for the scalar version (lanes 1), the C library's expf that torch's baseline code calls.
+   `fused` says whether 1 + x * (1 - s) is one fused multiply-add (with vectors only), as the compiler that built
+   torch's vector kernels may have made it. None of this promises torch's bits on a given torch build, so
+   activation.py compares each way with torch once per width and process and uses the kernel only where one agreed.
+   torch's loops take two vectors per step and compute what is left of a row with scalar code, so the vector
+   versions take only widths that leave nothing (f a multiple of 2 * lanes).
+   Returns 0, -1 for a width the version does not take, -3 if the build or the CPU lacks its vectors. */
+
+typedef float (*exp1_fn)(float);
+
+static void swiglu_scalar(exp1_fn exp1, const float *gate_up, const float *grad_h, int64_t rows, int64_t f,
+                          float *out)
+{
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * f, *up = gate + f;
+        for (int64_t j = 0; j < f; ++j) {
+            float x = gate[j], e = exp1(-x);
+            float silu = x / (1.0f + e);
+            if (grad_h == NULL) {
+                out[r * f + j] = silu * up[j];
+                continue;
+            }
+            float dh = grad_h[r * f + j], s = 1.0f / (1.0f + e);
+            float dy = dh * up[j];
+            out[r * 2 * f + j] = dy * s * (1.0f + x * (1.0f - s));
+            out[r * 2 * f + f + j] = dh * silu;
+        }
+    }
+}
+
+#ifdef AVX512_KERNELS
+typedef __m512 (*exp16_fn)(__m512);
+
+__attribute__((target("avx512f")))
+static void swiglu_avx512(exp16_fn exp16, const float *gate_up, const float *grad_h, int64_t rows, int64_t f,
+                          int fused, float *out)
+{
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * f, *up = gate + f;
+        for (int64_t j = 0; j < f; j += 16) {
+            __m512 x = _mm512_loadu_ps(gate + j);
+            __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            __m512 silu = _mm512_div_ps(x, denominator);
+            if (grad_h == NULL) {
+                _mm512_storeu_ps(out + r * f + j, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j)));
+                continue;
+            }
+            __m512 dh = _mm512_loadu_ps(grad_h + r * f + j), s = _mm512_div_ps(one, denominator);
+            __m512 dy = _mm512_mul_ps(dh, _mm512_loadu_ps(up + j));
+            __m512 one_minus_s = _mm512_sub_ps(one, s);
+            __m512 slope = fused ? _mm512_fmadd_ps(x, one_minus_s, one)
+                                 : _mm512_add_ps(one, _mm512_mul_ps(x, one_minus_s));
+            _mm512_storeu_ps(out + r * 2 * f + j, _mm512_mul_ps(_mm512_mul_ps(dy, s), slope));
+            _mm512_storeu_ps(out + r * 2 * f + f + j, _mm512_mul_ps(dh, silu));
+        }
+    }
+}
+#endif
+
+#ifdef AVX2_KERNELS
+typedef __m256 (*exp8_fn)(__m256);
+
+__attribute__((target("avx2,fma")))
+static void swiglu_avx2(exp8_fn exp8, const float *gate_up, const float *grad_h, int64_t rows, int64_t f, int fused,
+                        float *out)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * f, *up = gate + f;
+        for (int64_t j = 0; j < f; j += 8) {
+            __m256 x = _mm256_loadu_ps(gate + j);
+            __m256 denominator = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+            __m256 silu = _mm256_div_ps(x, denominator);
+            if (grad_h == NULL) {
+                _mm256_storeu_ps(out + r * f + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+                continue;
+            }
+            __m256 dh = _mm256_loadu_ps(grad_h + r * f + j), s = _mm256_div_ps(one, denominator);
+            __m256 dy = _mm256_mul_ps(dh, _mm256_loadu_ps(up + j));
+            __m256 one_minus_s = _mm256_sub_ps(one, s);
+            __m256 slope = fused ? _mm256_fmadd_ps(x, one_minus_s, one)
+                                 : _mm256_add_ps(one, _mm256_mul_ps(x, one_minus_s));
+            _mm256_storeu_ps(out + r * 2 * f + j, _mm256_mul_ps(_mm256_mul_ps(dy, s), slope));
+            _mm256_storeu_ps(out + r * 2 * f + f + j, _mm256_mul_ps(dh, silu));
+        }
+    }
+}
+#endif
+
+int64_t swiglu(int64_t lanes, const void *exp, int64_t fused, const float *gate_up, const float *grad_h, int64_t rows,
+               int64_t f, float *out)
+{
+    if (lanes == 1) {
+        if (fused) return -1;
+        swiglu_scalar((exp1_fn)exp, gate_up, grad_h, rows, f, out);
+        return 0;
+    }
+    if (f % (2 * lanes) != 0) return -1;
+#ifdef AVX512_KERNELS
+    if (lanes == 16 && __builtin_cpu_supports("avx512f")) {
+        swiglu_avx512((exp16_fn)exp, gate_up, grad_h, rows, f, (int)fused, out);
+        return 0;
+    }
+#endif
+#ifdef AVX2_KERNELS
+    if (lanes == 8 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        swiglu_avx2((exp8_fn)exp, gate_up, grad_h, rows, f, (int)fused, out);
+        return 0;
+    }
+#endif
+    return -3;
+}

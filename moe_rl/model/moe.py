@@ -152,6 +152,13 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
 
 
+@replaceable("swiglu")
+def swiglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
+    """The experts' activation: silu(gate) * up, gate and up the two halves of each row of the first product."""
+    gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
+    return F.silu(gate_NF) * up_NF
+
+
 @replaceable("mkl_products")
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]; groups given by their end offsets."""
@@ -265,8 +272,7 @@ def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD)
     dtype = _compute_dtype(x_TD)
     rows = expert_rows(x_TD, weights_TK, slots)
     gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), w_gate_up_EDF2.to(dtype), slots.counts_E)
-    gate_NF, up_NF = gate_up_N2F.chunk(2, dim=-1)
-    hidden_NF = F.silu(gate_NF) * up_NF
+    hidden_NF = swiglu(gate_up_N2F)
     gate_weight_N = rows.weight_R
     d_expert, d_model = w_down_EFD.shape[1:]
     if dtype == torch.float32 and d_expert < d_model:
@@ -300,8 +306,7 @@ def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, 
             return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
         return grouped_mm(a_RD, w_EDF, block_rows_E)
 
-    gate_RF, up_RF = blocks_times(w_gate_up_EDF2.to(dtype), x_RD).chunk(2, dim=-1)
-    hidden_RF = F.silu(gate_RF) * up_RF
+    hidden_RF = swiglu(blocks_times(w_gate_up_EDF2.to(dtype), x_RD))
     if dtype == torch.float32 and hidden_RF.shape[-1] < x_TD.shape[1]:  # the gate weight on the narrower side
         y_RD = blocks_times(w_down_EFD, hidden_RF * rows.weight_R[:, None])
     else:
