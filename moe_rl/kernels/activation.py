@@ -21,14 +21,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.native import library as native_library, torch_cpu_function
 from moe_rl.model.replaceable import implements
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 1}  # torch's dispatch capability -> the lanes of its float vectors
@@ -142,10 +141,9 @@ def _same(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
 def _torch_exp(lanes: int) -> int | None:
     """The address of the exp that torch's kernels call at these lanes: Sleef's, exported by torch's library, or the C
     library's expf for the scalar code. None where it is not found."""
+    if lanes > 1:
+        return torch_cpu_function(_SLEEF_EXP[lanes])
     try:
-        if lanes == 1:
-            return ctypes.cast(ctypes.CDLL(ctypes.util.find_library("m")).expf, ctypes.c_void_p).value
-        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(getattr(library, _SLEEF_EXP[lanes]), ctypes.c_void_p).value
+        return ctypes.cast(ctypes.CDLL(ctypes.util.find_library("m")).expf, ctypes.c_void_p).value
     except (OSError, AttributeError, TypeError):
         return None

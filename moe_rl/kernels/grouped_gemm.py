@@ -35,16 +35,13 @@ one thread, `grouped_mm` is torch._grouped_mm.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from moe_rl.model.replaceable import family_enabled, implements
-from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.native import library as native_library, torch_cpu_function
 
 _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2  # the products of native_kernels.c's expert_sgemm
 _PRODUCTS = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD)
@@ -57,12 +54,7 @@ def _sgemm_batch() -> int | None:
     MKL's LP64 interface (32-bit integers); its ILP64 twin would carry a _64 suffix."""
     if not torch.backends.mkl.is_available():
         return None
-    library = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib"}.get(sys.platform, "torch_cpu.dll")
-    try:
-        function = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / library)).cblas_sgemm_batch
-    except (OSError, AttributeError):
-        return None
-    return ctypes.cast(function, ctypes.c_void_p).value
+    return torch_cpu_function("cblas_sgemm_batch")
 
 
 def mkl_available() -> bool:

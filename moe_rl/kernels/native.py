@@ -67,6 +67,19 @@ def isa_cap() -> str:
     return cap
 
 
+def torch_cpu_function(name: str) -> int | None:
+    """The address of a function that torch's own CPU library exports (the MKL and Sleef linked into x86 wheels), or
+    None where it is not there."""
+    import torch
+
+    library = {"linux": "libtorch_cpu.so", "darwin": "libtorch_cpu.dylib"}.get(sys.platform, "torch_cpu.dll")
+    try:
+        function = getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / library)), name)
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def cache_folder() -> Path:
     """Where the compiled kernels and the measured kernel choice live ($XDG_CACHE_HOME or ~/.cache, then moe-rl)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-rl"
