@@ -31,6 +31,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_choice_made_before_any_test():
+    """On a machine's first use the kernel families are measured (moe_rl/kernels/measure.py), which calls the model's
+    replaceable functions hundreds of times: done here, before any test, so that no test that replaces or counts
+    one of them sees the measurement's calls (on a fresh machine it would fall inside whichever test came first)."""
+    from moe_rl import kernels
+
+    kernels.choices()
+
+
 # --- tiny RL runs -----------------------------------------------------------------------------------------
 
 TINY_MODEL = dict(d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=48, d_dense=96)

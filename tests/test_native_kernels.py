@@ -203,6 +203,55 @@ def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, m
 
 
 @needs_native
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("grads", ["rows and weights", "rows only", "weights only", "none"])
+def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding, grads, monkeypatch):
+    """The gate weights multiplied into the rows inside the C sum (forward) and inside one C pass of the backward
+    give the product's and index_add's numbers bit for bit: values, the rows' gradient and the weights' gradient,
+    with special values (signed zeros, infinities, NaN, huge products) in rows, weights and the incoming gradient."""
+
+    x_TD, weights_TK, slots = _routed_slots(tokens=50, experts=16, k=4)
+    block_rows_E = slots.counts_E.clamp(min=5) if padding else None
+    with torch.no_grad():
+        rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
+    g = torch.Generator().manual_seed(3)
+    y_RD = torch.randn(rows.x_RD.shape, generator=g) * 3
+    weight_R = rows.weight_R.clone()
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3e38, -1e-45])
+    y_RD[0, :7], y_RD[1, 3], weight_R[2], weight_R[3] = special, -0.0, -0.0, 3e38
+    y_RD[rows.token_R == 50, 5] = float("inf")  # a padding row's gradient is zero times the row: NaN here
+    grad_seed_TD = torch.randn(50, 24, generator=g)
+    grad_seed_TD[rows.token_R[4], :7] = special
+    served = spy_kernel(monkeypatch, "combine_weighted_rows")
+
+    def forward_backward():
+        y, w = y_RD.clone().requires_grad_("rows" in grads), weight_R.clone().requires_grad_("weights" in grads)
+        out_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50)
+        if grads != "none":
+            out_TD.backward(grad_seed_TD)
+        with torch.no_grad():
+            no_grad_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50)
+        return out_TD.detach(), no_grad_TD, y.grad, w.grad
+
+    native = forward_backward()
+    assert len(served) == 2  # with and without autograd
+    with pytest.raises(ValueError, match="outside"):
+        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(3), torch.tensor([0, 21, 1]), 20)
+    switch_kernels_off(monkeypatch)
+    reference = forward_backward()
+    for name, ours, torchs in zip(("values", "values without autograd", "rows' gradient", "weights' gradient"),
+                                  native, reference):
+        assert (ours is None) == (torchs is None), name
+        if ours is not None:
+            assert torch.equal(ours.isnan(), torchs.isnan()), name
+            ours, torchs = ours.nan_to_num(0.0), torchs.nan_to_num(0.0)
+            assert torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit()), name
+    assert reference[0].isnan().any() and reference[0].isinf().any()  # the special values reached the output
+    if padding:
+        assert (rows.token_R == 50).any()
+
+
+@needs_native
 @pytest.mark.parametrize("layout", ["contiguous", "every other head block"])  # q, and k as a slice of the kv output
 def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monkeypatch):
     B, S, H, Dh = 3, 7, 4, 16

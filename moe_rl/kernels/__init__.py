@@ -7,7 +7,8 @@ moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a 
 |------------------|------------------|--------------------------------------------------|----------------------|
 | topk             | topk.py          | moe.topk_indices (torch.topk)                    | the same bits        |
 | slots            | rows.py          | moe.sort_slots (stable argsort)                  | the same bits        |
-| rows             | rows.py          | moe.gather_rows, expert_rows, combine_rows       | the same bits        |
+| rows             | rows.py          | moe.gather_rows, expert_rows, combine_rows,      | the same bits        |
+|                  |                  | combine_weighted_rows                            |                      |
 | mkl_products     | grouped_gemm.py  | moe.grouped_mm, moe.short_block_rows             | the same bits        |
 | exact_products   | grouped_gemm.py  | MKL's products in mkl_products (AVX-512, AVX2)   | MKL's bits (checked) |
 | swiglu           | activation.py    | moe.swiglu (silu(gate) * up)                     | torch's bits (checked) |

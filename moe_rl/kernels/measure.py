@@ -170,7 +170,7 @@ def _slots_workloads():
 
 
 def _rows_workloads():
-    from moe_rl.model.moe import combine_rows, expert_rows, sort_slots
+    from moe_rl.model.moe import combine_rows, combine_weighted_rows, expert_rows, sort_slots
 
     work = []
     for shape in (PAPER, SMALL):
@@ -183,11 +183,14 @@ def _rows_workloads():
             with torch.no_grad():
                 rows = expert_rows(x_TD, weights_TK, slots)
                 combine_rows(rows.x_RD, rows.token_R, x_TD.shape[0])
+                combine_weighted_rows(rows.x_RD, rows.weight_R, rows.token_R, x_TD.shape[0])
 
         def with_grad(x_TD=x_TD, weights_TK=weights_TK, slots=slots):
-            x = x_TD.clone().requires_grad_()
-            rows = expert_rows(x, weights_TK, slots)
-            combine_rows(rows.x_RD * 2, rows.token_R, x.shape[0]).backward(x_TD)
+            x, weights = x_TD.clone().requires_grad_(), weights_TK.clone().requires_grad_()
+            rows = expert_rows(x, weights, slots)
+            y_RD = rows.x_RD * 2
+            (combine_rows(y_RD, rows.token_R, x.shape[0])
+             + combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, x.shape[0])).backward(x_TD)
 
         work += [no_grad, with_grad]
     return work

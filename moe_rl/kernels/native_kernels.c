@@ -331,11 +331,14 @@ int64_t expert_rows(const float *x, int64_t tokens, int64_t d, const int64_t *to
 }
 
 /* out (tokens, d) = the sum of the buffer rows y of each token, added in row order to a zero row; rows of token
-   `tokens` (padding) are left out. Each element sees the additions torch's index_add makes, in the same order, so the
-   sums are its sums bit for bit. Returns 0, or -1 if a row's token lies outside [0, tokens]. */
+   `tokens` (padding) are left out. With a weight per row (weight != NULL), each row is first multiplied by its
+   weight, one rounded product per element, as torch's `y * weight[:, None]` before the index_add. Each element sees
+   the additions torch's index_add makes, in the same order, so the sums are its sums bit for bit. Returns 0, or -1 if
+   a row's token lies outside [0, tokens]. */
 
 WIDEST_VECTORS
-int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_token, int64_t tokens, float *out)
+int64_t add_rows(const float *y, const float *weight, int64_t rows, int64_t d, const int64_t *row_token,
+                 int64_t tokens, float *out)
 {
     memset(out, 0, tokens * d * sizeof(float));
     for (int64_t r = 0; r < rows; ++r) {
@@ -344,7 +347,45 @@ int64_t add_rows(const float *y, int64_t rows, int64_t d, const int64_t *row_tok
         if (t == tokens) continue;
         float *sum = out + t * d;
         const float *add = y + r * d;
-        for (int64_t j = 0; j < d; ++j) sum[j] += add[j];
+        if (weight == NULL) {
+            for (int64_t j = 0; j < d; ++j) sum[j] += add[j];
+        } else {
+            float w = weight[r];
+            for (int64_t j = 0; j < d; ++j) sum[j] += add[j] * w;
+        }
+    }
+    return 0;
+}
+
+/* The backward of add_rows with weights, for the gradient `grad` (tokens, d) of its output: each buffer row's token's
+   gradient row g (zeros for padding rows) times the row's weight into grad_y, and times the row itself into
+   grad_times_y, whose row sums are the weights' gradients (the caller sums them with torch, so the sum is torch's).
+   These are the products torch's autograd makes for `index_add(y * weight[:, None])`: the index_add's backward
+   gathers g (index_select of the gradient with a zero row appended), the product's backward multiplies it by the
+   other factor, one rounded product per element. Returns 0, or -1 if a row's token lies outside [0, tokens]. */
+
+WIDEST_VECTORS
+int64_t add_rows_backward(const float *grad, int64_t tokens, int64_t d, const int64_t *row_token, const float *weight,
+                          const float *y, int64_t rows, float *grad_y, float *grad_times_y)
+{
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t t = row_token[r];
+        if (t < 0 || t > tokens) return -1;
+        float w = weight[r];
+        const float *yr = y + r * d;
+        float *gy = grad_y + r * d, *gyy = grad_times_y + r * d;
+        if (t == tokens) {  /* a padding row's gradient: the appended zero row, multiplied like any other */
+            for (int64_t j = 0; j < d; ++j) {
+                gy[j] = 0.0f * w;
+                gyy[j] = 0.0f * yr[j];
+            }
+            continue;
+        }
+        const float *g = grad + t * d;
+        for (int64_t j = 0; j < d; ++j) {
+            gy[j] = g[j] * w;
+            gyy[j] = g[j] * yr[j];
+        }
     }
     return 0;
 }

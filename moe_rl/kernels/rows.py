@@ -105,11 +105,14 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     return _CombineRows.apply(y_RD, token_R, n_tokens)
 
 
-def add_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> torch.Tensor:
+def add_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int,
+             weight_R: torch.Tensor | None = None) -> torch.Tensor:
     y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
+    if weight_R is not None:
+        weight_R = weight_R.contiguous()
     out_TD = torch.empty(n_tokens, y_RD.shape[1], dtype=torch.float32)
-    if native_library().add_rows(y_RD.data_ptr(), y_RD.shape[0], y_RD.shape[1], token_R.data_ptr(), n_tokens,
-                                 out_TD.data_ptr()) != 0:
+    if native_library().add_rows(y_RD.data_ptr(), None if weight_R is None else weight_R.data_ptr(), y_RD.shape[0],
+                                 y_RD.shape[1], token_R.data_ptr(), n_tokens, out_TD.data_ptr()) != 0:
         raise ValueError(f"a buffer row names a token outside [0, {n_tokens}]")
     return out_TD
 
@@ -128,3 +131,39 @@ class _CombineRows(torch.autograd.Function):
         (token_R,) = ctx.saved_tensors
         grad_with_padding_TD = torch.cat([grad_TD, grad_TD.new_zeros(1, grad_TD.shape[1])])
         return F.embedding(token_R, grad_with_padding_TD), None, None
+
+
+@implements("combine_weighted_rows")
+def combine_weighted_rows(y_RD: torch.Tensor, weight_R: torch.Tensor, token_R: torch.Tensor,
+                          n_tokens: int) -> torch.Tensor:
+    """Each row times its gate weight, summed into its token, in one C pass (the product and index_add's additions,
+    in its order); with autograd inside a Function whose backward makes the products autograd makes in one pass."""
+    if not fp32_cpu(y_RD, weight_R) or native_library() is None:
+        return NotImplemented
+    if without_grad(y_RD, weight_R):
+        return add_rows(y_RD, token_R, n_tokens, weight_R)
+    return _CombineWeightedRows.apply(y_RD, weight_R, token_R, n_tokens)
+
+
+class _CombineWeightedRows(torch.autograd.Function):
+    """combine_weighted_rows with autograd. Backward: the rows' gradient is their token's gradient (zeros for
+    padding rows) times the weight; the weights' gradient is the row sum of that token gradient times the row, summed
+    by torch (the sum of `(g * y).sum(-1)` that the product's backward reduces with)."""
+
+    @staticmethod
+    def forward(ctx, y_RD, weight_R, token_R, n_tokens: int):
+        y_RD, weight_R, token_R = y_RD.contiguous(), weight_R.contiguous(), token_R.contiguous()
+        ctx.save_for_backward(y_RD, weight_R, token_R)
+        return add_rows(y_RD, token_R, n_tokens, weight_R)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_RD, weight_R, token_R = ctx.saved_tensors
+        grad_TD = grad_TD.contiguous()
+        grad_y_RD, grad_times_y_RD = torch.empty_like(y_RD), torch.empty_like(y_RD)
+        if native_library().add_rows_backward(grad_TD.data_ptr(), grad_TD.shape[0], y_RD.shape[1], token_R.data_ptr(),
+                                              weight_R.data_ptr(), y_RD.data_ptr(), y_RD.shape[0],
+                                              grad_y_RD.data_ptr(), grad_times_y_RD.data_ptr()) != 0:
+            raise ValueError(f"a buffer row names a token outside [0, {grad_TD.shape[0]}]")
+        grad_weight_R = grad_times_y_RD.sum(-1) if ctx.needs_input_grad[1] else None
+        return grad_y_RD, grad_weight_R, None, None

@@ -152,6 +152,13 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
     return out_TD.index_add(0, token_R, y_RD)[:n_tokens]
 
 
+@replaceable("rows")
+def combine_weighted_rows(y_RD: torch.Tensor, weight_R: torch.Tensor, token_R: torch.Tensor,
+                          n_tokens: int) -> torch.Tensor:
+    """combine_rows of the rows each scaled by its gate weight, in fp32."""
+    return combine_rows(y_RD.float() * weight_R[:, None], token_R, n_tokens)
+
+
 @replaceable("swiglu")
 def swiglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
     """The experts' activation: silu(gate) * up, gate and up the two halves of each row of the first product."""
@@ -280,10 +287,10 @@ def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD)
         # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
         hidden_NF = hidden_NF * gate_weight_N[:, None]
         y_ND = grouped_mm(hidden_NF, w_down_EFD, slots.counts_E)
-    else:  # low precision: the gate weight is applied in fp32 after the matmul
-        y_ND = grouped_mm(hidden_NF, w_down_EFD.to(dtype), slots.counts_E)
-        y_ND = y_ND.float() * gate_weight_N[:, None]
-    return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+        return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+    # low precision, or F >= D: the gate weight is applied in fp32 after the matmul
+    y_ND = grouped_mm(hidden_NF, w_down_EFD.to(dtype), slots.counts_E)
+    return combine_weighted_rows(y_ND, gate_weight_N, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 
 
 def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, w_down_EFD):
@@ -309,9 +316,9 @@ def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, 
     hidden_RF = swiglu(blocks_times(w_gate_up_EDF2.to(dtype), x_RD))
     if dtype == torch.float32 and hidden_RF.shape[-1] < x_TD.shape[1]:  # the gate weight on the narrower side
         y_RD = blocks_times(w_down_EFD, hidden_RF * rows.weight_R[:, None])
-    else:
-        y_RD = blocks_times(w_down_EFD.to(dtype), hidden_RF).float() * rows.weight_R[:, None]
-    return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+        return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+    y_RD = blocks_times(w_down_EFD.to(dtype), hidden_RF)
+    return combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, ids_TK: torch.Tensor, valid_T: torch.Tensor | None = None):
