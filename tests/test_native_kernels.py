@@ -238,6 +238,10 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
     assert len(served) == 2  # with and without autograd
     with pytest.raises(ValueError, match="outside"):
         moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(3), torch.tensor([0, 21, 1]), 20)
+    with pytest.raises(ValueError, match="one token and one weight per row"):
+        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(2), torch.tensor([0, 1, 1]), 20)
+    with pytest.raises(ValueError, match="one token and one weight per row"):
+        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 1]), 20)
     switch_kernels_off(monkeypatch)
     reference = forward_backward()
     for name, ours, torchs in zip(("values", "values without autograd", "rows' gradient", "weights' gradient"),

@@ -107,6 +107,11 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
 
 def add_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int,
              weight_R: torch.Tensor | None = None) -> torch.Tensor:
+    rows = y_RD.shape[0]
+    if token_R.shape != (rows,) or (weight_R is not None and weight_R.shape != (rows,)):
+        weights = "" if weight_R is None else f" and {tuple(weight_R.shape)} weights"
+        raise ValueError(f"summing {rows} rows into tokens needs one token and one weight per row; got "
+                         f"{tuple(token_R.shape)} tokens{weights}")  # the C loop would read past their ends
     y_RD, token_R = y_RD.contiguous(), token_R.contiguous()
     if weight_R is not None:
         weight_R = weight_R.contiguous()

@@ -148,8 +148,8 @@ def measured_noting_others() -> tuple[dict[str, dict], float | None]:
 
 
 def machine_idle() -> bool:
-    """Whether other processes keep fewer than BUSY_CORES cores busy now, over a sample of IDLE_SAMPLE_S (no where
-    that cannot be read). Not the load average: it lags a minute behind, so a test suite's first processes would
+    """Whether other processes keep fewer than BUSY_CORES cores busy now, over a sample of IDLE_SAMPLE_S (False where
+    /proc/stat cannot be read). Not the load average: it lags a minute behind, so a test suite's first processes would
     find the machine idle while its workers kept the cores busy."""
     _, busy_cores = _others_busy_cores(lambda: time.sleep(IDLE_SAMPLE_S))
     return busy_cores is not None and busy_cores < BUSY_CORES
