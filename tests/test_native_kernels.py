@@ -256,6 +256,69 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
         assert (rows.token_R == 50).any()
 
 
+def _same_floats(ours: torch.Tensor, torchs: torch.Tensor) -> bool:
+    """Equal bit for bit but for NaN payloads: the same NaN positions, values, infinities and signs of zeros."""
+    if not torch.equal(ours.isnan(), torchs.isnan()):
+        return False
+    ours, torchs = (t.nan_to_num(0.0, posinf=float("inf"), neginf=-float("inf")) for t in (ours, torchs))
+    return torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit())
+
+
+@needs_native
+@pytest.mark.parametrize("width", [24, 64, 100, 256])  # 100: mean's division by d is not a power of two
+@pytest.mark.parametrize("grads", ["input and weight", "input", "weight"])
+@pytest.mark.parametrize("values", ["ordinary", "special"])
+def test_rms_norm_with_autograd_equals_the_torch_composite(width, grads, values, monkeypatch):
+    """The norm as the model uses it, x also feeding a residual sum (so x's gradient is three terms that autograd
+    adds in its order): output, x's gradient and the weight's gradient are torch's bit for bit, with ordinary values
+    at three scales, and with special values (zeros, signed zeros, infinities, NaN, values whose square overflows,
+    subnormals) in x, the weight and the incoming gradient. (A row of x with NaN or an infinity makes that row's
+    product with the gradient NaN, and so every column of the weight's gradient: the ordinary case checks it.)"""
+    g = torch.Generator().manual_seed(5)
+    x_BSD = torch.randn(3, 5, width, generator=g) * torch.tensor([0.01, 1.0, 40.0])[:, None, None]
+    weight_D = 1 + 0.3 * torch.randn(width, generator=g)
+    grad_BSD = torch.randn(3, 5, width, generator=g)
+    if values == "special":
+        x_BSD[0, 0] = 0.0  # rstd = 1 / sqrt(eps)
+        x_BSD[0, 1, :3] = torch.tensor([-0.0, float("inf"), 1e-42])
+        x_BSD[0, 2, 5] = float("nan")
+        x_BSD[1, 0, 1] = 3e20  # its square overflows: rstd 0
+        x_BSD[1, 1, :4] = torch.tensor([-0.0, 0.0, 1e-45, -1e-44])
+        weight_D[:3] = torch.tensor([-0.0, 0.0, 1e30])  # (an infinite weight would make every row's x gradient NaN)
+        grad_BSD[2, 0, :3] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    residual_BSD = torch.randn(3, 5, width, generator=g)
+    served = spy_kernel(monkeypatch, "rms_norm")
+
+    def forward_backward():
+        x = x_BSD.clone().requires_grad_("input" in grads)
+        weight = weight_D.clone().requires_grad_("weight" in grads)
+        out_BSD = layers.RMSNorm(width, 1e-6)
+        with torch.no_grad():
+            out_BSD.weight.copy_(weight)
+        out_BSD.weight.requires_grad_("weight" in grads)
+        y = out_BSD(x) + x * residual_BSD
+        y.backward(grad_BSD)
+        with torch.no_grad():
+            no_grad_y = out_BSD(x)
+        return y.detach(), no_grad_y, x.grad, out_BSD.weight.grad
+
+    native = forward_backward()
+    assert len(served) == 1  # with autograd; without it torch's fused kernel is the reference
+    switch_kernels_off(monkeypatch)
+    reference = forward_backward()
+    for name, ours, torchs in zip(("values", "values without autograd", "x's gradient", "weight's gradient"),
+                                  native, reference):
+        assert (ours is None) == (torchs is None), name
+        if ours is not None:
+            assert _same_floats(ours, torchs), name
+    if values == "special":
+        assert reference[0].isnan().any()  # the special values reached the output
+        if "input" in grads:
+            assert reference[2].isfinite().sum() > 0.5 * reference[2].numel()  # most rows' gradients are numbers
+    else:
+        assert all(t.isfinite().all() for t in reference if t is not None)
+
+
 @needs_native
 @pytest.mark.parametrize("layout", ["contiguous", "every other head block"])  # q, and k as a slice of the kv output
 def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monkeypatch):

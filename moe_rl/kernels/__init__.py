@@ -13,6 +13,7 @@ moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a 
 | exact_products   | grouped_gemm.py  | MKL's products in mkl_products (AVX-512, AVX2)   | MKL's bits (checked) |
 | swiglu           | activation.py    | moe.swiglu (silu(gate) * up)                     | torch's bits (checked) |
 | rotary           | attention.py     | layers.apply_rotary                              | the same bits        |
+| rms_norm         | norm.py          | layers.rms_norm with autograd (the composite)    | the same bits        |
 | decode_attention | attention.py     | layers.decode_attention, decode_keys_transposed  | fp32 rounding        |
 | sampler_experts  | sampler.py       | moe.routed_experts in the fp32 sampler           | fp32 rounding        |
 
@@ -21,7 +22,7 @@ built once per machine (native.py); which families run is measured once per mach
 recorded in every run's manifest and benchmark (`selection.report()`).
 """
 
-from moe_rl.kernels import activation, attention, grouped_gemm, rows, sampler, topk  # noqa: F401  (registers them)
+from moe_rl.kernels import activation, attention, grouped_gemm, norm, rows, sampler, topk  # noqa: F401  (registers them)
 from moe_rl.kernels.selection import FAMILIES, choices, enabled, forced, report
 from moe_rl.model import replaceable
 from moe_rl.runs.provenance import CPU_FACTS

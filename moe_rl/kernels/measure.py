@@ -264,6 +264,24 @@ def _rotary_workloads():
     return [lambda: apply_rotary(x_BSHDh, cos, sin), with_grad]
 
 
+def _rms_norm_workloads():
+    """A norm's forward+backward over a minibatch's activations at both shapes' width (the family serves autograd
+    only)."""
+    from moe_rl.model.layers import rms_norm
+
+    work = []
+    for shape in (PAPER, SMALL):
+        x_TD = torch.randn(shape["tokens"], shape["d_model"], generator=_generator(11))
+        weight_D = 1 + 0.1 * torch.randn(shape["d_model"], generator=_generator(12))
+        grad_TD = torch.randn(shape["tokens"], shape["d_model"], generator=_generator(13))
+
+        def with_grad(x_TD=x_TD, weight_D=weight_D, grad_TD=grad_TD):
+            rms_norm(x_TD.clone().requires_grad_(), weight_D.clone().requires_grad_(), 1e-6).backward(grad_TD)
+
+        work.append(with_grad)
+    return work
+
+
 def _sampler_experts_workloads():
     """The sampler's experts call at a decode step (64 rows, one token each, inference mode), at both shapes.
 
@@ -352,6 +370,7 @@ _PLANS = {  # family: (what is missing, or None; the workloads), in the order th
     "mkl_products": (_mkl_missing, _products_workloads),
     "swiglu": (_swiglu_missing, _swiglu_workloads),
     "rotary": (_library_missing, _rotary_workloads),
+    "rms_norm": (_library_missing, _rms_norm_workloads),
     "decode_attention": (_library_missing, _sampler_workloads),
     "sampler_experts": (_library_missing, _sampler_experts_workloads),
 }

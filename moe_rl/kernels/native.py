@@ -54,6 +54,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "add_rows": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR],
     "add_rows_backward": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR],
     "rotate_half": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+    "rms_norm_rows": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
     "decode_attention": [_PTR, _PTR, _PTR, *[_I64] * 10, _PTR, ctypes.c_float, _PTR],
     "sampler_experts": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
     "swiglu": [_I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR],

@@ -428,6 +428,51 @@ int64_t rotate_half(const float *x, int64_t rows, int64_t row_stride, int64_t he
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
+   RMS norm's elementwise passes, torch's composite rms_norm with autograd
+
+   x (rows, d) contiguous; rstd (rows), each row's 1 / sqrt(mean(x^2) + eps) as torch computed it; weight (d). Every
+   value is one rounded product or sum of the torch op it stands for (the reductions stay torch's, in the caller):
+     mode 0 (forward):         out = (x * rstd) * weight                       result.mul(weight) of x.mul(rstd)
+     mode 1 (backward, part 1): out = g * (x * rstd) (skipped where out is NULL), out2 = (g * weight) * x
+                               the products whose sums are weight's gradient (over rows) and rstd's (over columns)
+     mode 2 (backward, part 2): out = (g * weight) * rstd, out2 = c * (x * 2), c = ((grad_rstd * -0.5) * rstd^3) / d
+                               x's gradient through x.mul(rstd) and through x.pow(2), apart: autograd adds each to
+                               what x's other uses gave, in that order, and float sums depend on the order.
+                               grad_rstd (rows) is the row sum of mode 1's out2 (the caller's torch sum), carried
+                               back through rsqrt (-0.5 * grad * rstd.pow(3), the cube as (s * s) * s), add
+                               (unchanged) and mean (/ d)
+   Returns 0, or -1 for an unknown mode. */
+
+WIDEST_VECTORS
+int64_t rms_norm_rows(int64_t mode, const float *x, const float *rstd, const float *weight, const float *grad,
+                      const float *grad_rstd, int64_t rows, int64_t d, float *out, float *out2)
+{
+    if (mode < 0 || mode > 2) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * d;
+        const float *gr = grad != NULL ? grad + r * d : NULL;
+        float *o = out != NULL ? out + r * d : NULL;
+        float s = rstd[r];
+        if (mode == 0) {
+            for (int64_t j = 0; j < d; ++j) o[j] = (xr[j] * s) * weight[j];
+        } else if (mode == 1) {
+            float *o2 = out2 + r * d;
+            if (o != NULL)
+                for (int64_t j = 0; j < d; ++j) o[j] = gr[j] * (xr[j] * s);
+            for (int64_t j = 0; j < d; ++j) o2[j] = (gr[j] * weight[j]) * xr[j];
+        } else {
+            float c = ((grad_rstd[r] * -0.5f) * ((s * s) * s)) / (float)d;
+            float *o2 = out2 + r * d;
+            for (int64_t j = 0; j < d; ++j) {
+                o[j] = (gr[j] * weight[j]) * s;
+                o2[j] = c * (xr[j] * 2.0f);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
    grouped products through MKL's batched GEMM
 
    One cblas_sgemm_batch call (each expert its own group of one product; row-major, alpha 1, beta 0) for the three

@@ -50,10 +50,11 @@ FAMILIES = {
     "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; torch's bits, checked at load)",
     "swiglu": "the experts' silu(gate) * up, one C pass each way (torch's bits, checked at first use)",
     "rotary": "the rotary embedding, forward and backward (C; the torch ops' bits)",
+    "rms_norm": "RMS norm with autograd, its elementwise passes in C (the torch composite's bits)",
     "decode_attention": "the fp32 sampler's one-query attention over the KV cache (C; torch's to fp32 rounding)",
     "sampler_experts": "the fp32 sampler's experts in one C pass (the grouped path's numbers to fp32 rounding)",
 }
-EXACT_FAMILIES = ("topk", "slots", "rows", "mkl_products", "exact_products", "swiglu", "rotary")
+EXACT_FAMILIES = ("topk", "slots", "rows", "mkl_products", "exact_products", "swiglu", "rotary", "rms_norm")
 
 BUSY_CORES = 0.5  # other processes' average use of the cores during the measurement above which it is provisional
 IDLE_SAMPLE_S = 0.2  # how long a process that finds a provisional choice watches the machine before it measures again

@@ -27,8 +27,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64):  # no casts (this runs twice per layer per decode step)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).type_as(x)
+
+
+@replaceable("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim. Without autograd torch runs one fused kernel; with it,
+    torch's composite of six ops (pow, mean, add, rsqrt, two products) and their backwards."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rotary(nn.Module):
