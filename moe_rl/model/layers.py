@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
 
 @replaceable("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim. Without autograd torch runs one fused kernel; with it,
-    torch's composite of six ops (pow, mean, add, rsqrt, two products) and their backwards."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim: on CPU torch computes it as six ops (pow, mean, add,
+    rsqrt, two products), with autograd through each of them."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
