@@ -202,6 +202,14 @@ def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, m
     assert torch.equal(native_grad, torch_grad)
 
 
+def _same_floats(ours: torch.Tensor, torchs: torch.Tensor) -> bool:
+    """Equal bit for bit but for NaN payloads: the same NaN positions, values, infinities and signs of zeros."""
+    if not torch.equal(ours.isnan(), torchs.isnan()):
+        return False
+    ours, torchs = (t.nan_to_num(0.0, posinf=float("inf"), neginf=-float("inf")) for t in (ours, torchs))
+    return torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit())
+
+
 @needs_native
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("grads", ["rows and weights", "rows only", "weights only", "none"])
@@ -248,20 +256,10 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
                                   native, reference):
         assert (ours is None) == (torchs is None), name
         if ours is not None:
-            assert torch.equal(ours.isnan(), torchs.isnan()), name
-            ours, torchs = (t.nan_to_num(0.0, posinf=float("inf"), neginf=-float("inf")) for t in (ours, torchs))
-            assert torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit()), name
+            assert _same_floats(ours, torchs), name
     assert reference[0].isnan().any() and reference[0].isinf().any()  # the special values reached the output
     if padding:
         assert (rows.token_R == 50).any()
-
-
-def _same_floats(ours: torch.Tensor, torchs: torch.Tensor) -> bool:
-    """Equal bit for bit but for NaN payloads: the same NaN positions, values, infinities and signs of zeros."""
-    if not torch.equal(ours.isnan(), torchs.isnan()):
-        return False
-    ours, torchs = (t.nan_to_num(0.0, posinf=float("inf"), neginf=-float("inf")) for t in (ours, torchs))
-    return torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit())
 
 
 @needs_native
@@ -291,30 +289,26 @@ def test_rms_norm_with_autograd_equals_the_torch_composite(width, grads, values,
 
     def forward_backward():
         x = x_BSD.clone().requires_grad_("input" in grads)
-        weight = weight_D.clone().requires_grad_("weight" in grads)
-        out_BSD = layers.RMSNorm(width, 1e-6)
+        norm = layers.RMSNorm(width, 1e-6)
         with torch.no_grad():
-            out_BSD.weight.copy_(weight)
-        out_BSD.weight.requires_grad_("weight" in grads)
-        y = out_BSD(x) + x * residual_BSD
+            norm.weight.copy_(weight_D)
+        norm.weight.requires_grad_("weight" in grads)
+        y = norm(x) + x * residual_BSD
         y.backward(grad_BSD)
-        with torch.no_grad():
-            no_grad_y = out_BSD(x)
-        return y.detach(), no_grad_y, x.grad, out_BSD.weight.grad
+        return y.detach(), x.grad, norm.weight.grad
 
     native = forward_backward()
-    assert len(served) == 1  # with autograd; without it the reference runs
+    assert len(served) == 1
     switch_kernels_off(monkeypatch)
     reference = forward_backward()
-    for name, ours, torchs in zip(("values", "values without autograd", "x's gradient", "weight's gradient"),
-                                  native, reference):
+    for name, ours, torchs in zip(("values", "x's gradient", "weight's gradient"), native, reference):
         assert (ours is None) == (torchs is None), name
         if ours is not None:
             assert _same_floats(ours, torchs), name
     if values == "special":
         assert reference[0].isnan().any()  # the special values reached the output
         if "input" in grads:
-            assert reference[2].isfinite().sum() > 0.5 * reference[2].numel()  # most rows' gradients are numbers
+            assert reference[1].isfinite().sum() > 0.5 * reference[1].numel()  # most rows' gradients are numbers
     else:
         assert all(t.isfinite().all() for t in reference if t is not None)
 
