@@ -10,7 +10,7 @@ from conftest import spy_kernel
 
 from moe_rl import kernels
 from moe_rl.kernels import activation, native
-from moe_rl.model.moe import Experts, swiglu
+from moe_rl.model.moe import Experts, swiglu, weighted_swiglu
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
 pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics, needs_native]
@@ -55,6 +55,37 @@ def test_the_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, monke
     assert len(served) == (2 if d_expert in _served_widths() else 0), "the kernel served where it should not, or not"
 
 
+@pytest.mark.parametrize("d_expert", [4, 16, 32, 40, 64, 256])
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("grads", ["gate_up and weights", "gate_up", "weights"])
+def test_the_weighted_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, grads, monkeypatch):
+    """swiglu(gate_up) * weight[:, None] (the experts' path where the gate weight scales the down product's input):
+    values with and without autograd and both gradients are torch's bits, with the special values in gate_up and
+    zeros of both signs, a huge weight and an infinite gradient beside them."""
+    served = spy_kernel(monkeypatch, "weighted_swiglu")
+    gate_up_N2F, grad_NF, weight_N = _gate_up(rows, d_expert), torch.randn(rows, d_expert), torch.rand(rows)
+    if rows >= 7:
+        weight_N[2:5] = torch.tensor([0.0, -0.0, 3e38])
+        grad_NF[5, 0] = float("inf")
+
+    def forward_backward(fn):
+        gate_up = gate_up_N2F.clone().requires_grad_("gate_up" in grads)
+        weight = weight_N.clone().requires_grad_("weights" in grads)
+        out_NF = fn(gate_up, weight)
+        out_NF.backward(grad_NF)
+        with torch.no_grad():
+            no_grad_NF = fn(gate_up_N2F, weight_N)
+        return out_NF.detach(), no_grad_NF, gate_up.grad, weight.grad
+
+    ours = forward_backward(weighted_swiglu)
+    theirs = forward_backward(lambda gate_up, weight: swiglu.reference(gate_up) * weight[:, None])
+    for name, a, b in zip(("values", "values without autograd", "gate_up's gradient", "weights' gradient"), ours,
+                          theirs):
+        assert (a is None) == (b is None), name
+        assert a is None or _same_bits(a, b), name
+    assert len(served) == (2 if d_expert in _served_widths() else 0), "the kernel served where it should not, or not"
+
+
 @pytest.mark.skipif(LANES in (None, 1), reason="only the vector versions have two ways to round")
 def test_the_check_at_load_tells_the_fused_and_unfused_ways_apart():
     """The way exact_variant picked matches torch on its check block and the other way does not: the check can
@@ -88,9 +119,10 @@ def test_it_serves_one_torch_thread_only(monkeypatch):
 
 
 @pytest.mark.parametrize("dispatch", ["grouped_mm", "padded"])
-def test_the_experts_give_the_same_numbers_with_the_kernel_and_without(dispatch):
+@pytest.mark.parametrize("d_expert", [32, 16])  # 16 < d_model: the gate weight scales the down product's input
+def test_the_experts_give_the_same_numbers_with_the_kernel_and_without(dispatch, d_expert):
     torch.manual_seed(0)
-    experts = Experts(n_experts=8, d_model=32, d_expert=32, dispatch=dispatch)
+    experts = Experts(n_experts=8, d_model=32, d_expert=d_expert, dispatch=dispatch)
     torch.nn.init.normal_(experts.w_gate_up, std=0.2)
     torch.nn.init.normal_(experts.w_down, std=0.2)
     x_TD = torch.randn(40, 32)
@@ -98,11 +130,11 @@ def test_the_experts_give_the_same_numbers_with_the_kernel_and_without(dispatch)
 
     def forward_backward(on: bool):
         experts.zero_grad(set_to_none=True)
-        x = x_TD.clone().requires_grad_()
+        x, weights = x_TD.clone().requires_grad_(), weights_TK.clone().requires_grad_()
         with kernels.forced(swiglu=on):
-            out_TD = experts(x, weights_TK, ids_TK)
+            out_TD = experts(x, weights, ids_TK)
         out_TD.square().sum().backward()
-        return out_TD.detach(), x.grad, experts.w_gate_up.grad, experts.w_down.grad
+        return out_TD.detach(), x.grad, weights.grad, experts.w_gate_up.grad, experts.w_down.grad
 
     for with_kernel, without in zip(forward_backward(True), forward_backward(False)):
         assert torch.equal(with_kernel, without)

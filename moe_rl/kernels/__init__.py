@@ -11,7 +11,7 @@ moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a 
 |                  |                  | combine_weighted_rows                            |                      |
 | mkl_products     | grouped_gemm.py  | moe.grouped_mm, moe.short_block_rows             | the same bits        |
 | exact_products   | grouped_gemm.py  | MKL's products in mkl_products (AVX-512, AVX2)   | MKL's bits (checked) |
-| swiglu           | activation.py    | moe.swiglu (silu(gate) * up)                     | torch's bits (checked) |
+| swiglu           | activation.py    | moe.swiglu (silu(gate) * up), weighted_swiglu    | torch's bits (checked) |
 | rotary           | attention.py     | layers.apply_rotary                              | the same bits        |
 | rms_norm         | norm.py          | layers.rms_norm with autograd (the composite)    | the same bits        |
 | decode_attention | attention.py     | layers.decode_attention, decode_keys_transposed  | fp32 rounding        |

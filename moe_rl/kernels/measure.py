@@ -223,19 +223,30 @@ def _products_workloads():
 
 def _swiglu_workloads():
     """The activation of the experts' rows at both shapes (every slot's row: tokens x top-k), without and with
-    autograd."""
-    from moe_rl.model.moe import swiglu
+    autograd, as the experts call it there: times the gate weights at the paper shape (expert width < d_model)."""
+    from moe_rl.model.moe import swiglu, weighted_swiglu
 
     work = []
     for shape in (PAPER, SMALL):
         N, F = shape["tokens"] * shape["top_k"], shape["d_expert"]
         gate_up_N2F = torch.randn(N, 2 * F, generator=_generator(9))
         grad_NF = torch.randn(N, F, generator=_generator(10))
+        weight_N = torch.rand(N, generator=_generator(14))
+        if F < shape["d_model"]:
+            def no_grad(gate_up_N2F=gate_up_N2F, weight_N=weight_N):
+                weighted_swiglu(gate_up_N2F, weight_N)
 
-        def with_grad(gate_up_N2F=gate_up_N2F, grad_NF=grad_NF):
-            swiglu(gate_up_N2F.clone().requires_grad_()).backward(grad_NF)
+            def with_grad(gate_up_N2F=gate_up_N2F, weight_N=weight_N, grad_NF=grad_NF):
+                weighted_swiglu(gate_up_N2F.clone().requires_grad_(), weight_N.clone().requires_grad_()).backward(
+                    grad_NF)
+        else:
+            def no_grad(gate_up_N2F=gate_up_N2F):
+                swiglu(gate_up_N2F)
 
-        work += [lambda gate_up_N2F=gate_up_N2F: swiglu(gate_up_N2F), with_grad]
+            def with_grad(gate_up_N2F=gate_up_N2F, grad_NF=grad_NF):
+                swiglu(gate_up_N2F.clone().requires_grad_()).backward(grad_NF)
+
+        work += [no_grad, with_grad]
     return work
 
 

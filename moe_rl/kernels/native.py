@@ -57,7 +57,7 @@ _SIGNATURES = {  # name: argument types (every kernel returns an int64 status or
     "rms_norm_rows": [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
     "decode_attention": [_PTR, _PTR, _PTR, *[_I64] * 10, _PTR, ctypes.c_float, _PTR],
     "sampler_experts": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
-    "swiglu": [_I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR],
+    "swiglu": [_I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR],
 }
 
 

@@ -1404,12 +1404,15 @@ VECTOR_HELPER int64_t sampler_experts_body(const float *x, int64_t tokens, int64
 PER_ISA_VERSIONS(sampler_experts, SAMPLER_EXPERTS_ARGS, SAMPLER_EXPERTS_NAMES, SAMPLER_EXPERTS_CALL)
 
 /* ---------------------------------------------------------------------------------------------------------------
-   SwiGLU of the experts' hidden rows, forward and backward
+   SwiGLU of the experts' hidden rows, forward and backward, each row optionally times its gate weight
 
    gate_up (rows, 2f), contiguous, holds each row's gate in its first f columns and its up in the other f.
-   Forward (grad_h NULL): out (rows, f) = silu(gate) * up, with silu(x) = x / (1 + exp(-x)).
-   Backward: out (rows, 2f) = the gate's gradient silu_backward(grad_h * up, gate) = (dy * s) * (1 + x * (1 - s)),
-   s = 1 / (1 + exp(-x)), beside the up's, grad_h * silu(gate).
+   Forward (grad NULL): out (rows, f) = h = silu(gate) * up, with silu(x) = x / (1 + exp(-x)); with weight (rows)
+   given, h * weight[r] (torch's `swiglu(gate_up) * weight[:, None]`).
+   Backward, for the gradient `grad` (rows, f) of that output: dh = grad (grad * weight[r] with a weight); out
+   (rows, 2f) = the gate's gradient silu_backward(dh * up, gate) = (dy * s) * (1 + x * (1 - s)),
+   s = 1 / (1 + exp(-x)), beside the up's, dh * silu(gate); with a weight and out2 given, out2 (rows, f) =
+   grad * h, whose row sums (the caller's torch sum) are the weights' gradient.
    These are the operations, in the order of torch's CPU kernels for silu, silu_backward and mul, each rounded once,
    with torch's own exp: the caller (activation.py) passes the Sleef function torch's vectors call (16 lanes on
    AVX-512, 8 on AVX2) or, for the scalar version (lanes 1), the C library's expf that torch's baseline code calls.
@@ -1422,19 +1425,27 @@ PER_ISA_VERSIONS(sampler_experts, SAMPLER_EXPERTS_ARGS, SAMPLER_EXPERTS_NAMES, S
 
 typedef float (*exp1_fn)(float);
 
-static void swiglu_scalar(exp1_fn exp1, const float *gate_up, const float *grad_h, int64_t rows, int64_t f,
-                          float *out)
+#define SWIGLU_ARGS const float *gate_up, const float *grad, const float *weight, int64_t rows, int64_t f, float *out, \
+    float *out2
+
+static void swiglu_scalar(exp1_fn exp1, SWIGLU_ARGS)
 {
     for (int64_t r = 0; r < rows; ++r) {
         const float *gate = gate_up + r * 2 * f, *up = gate + f;
         for (int64_t j = 0; j < f; ++j) {
             float x = gate[j], e = exp1(-x);
             float silu = x / (1.0f + e);
-            if (grad_h == NULL) {
-                out[r * f + j] = silu * up[j];
+            if (grad == NULL) {
+                float h = silu * up[j];
+                out[r * f + j] = weight != NULL ? h * weight[r] : h;
                 continue;
             }
-            float dh = grad_h[r * f + j], s = 1.0f / (1.0f + e);
+            float dh = grad[r * f + j];
+            if (weight != NULL) {
+                if (out2 != NULL) out2[r * f + j] = dh * (silu * up[j]);
+                dh = dh * weight[r];
+            }
+            float s = 1.0f / (1.0f + e);
             float dy = dh * up[j];
             out[r * 2 * f + j] = dy * s * (1.0f + x * (1.0f - s));
             out[r * 2 * f + f + j] = dh * silu;
@@ -1446,21 +1457,27 @@ static void swiglu_scalar(exp1_fn exp1, const float *gate_up, const float *grad_
 typedef __m512 (*exp16_fn)(__m512);
 
 __attribute__((target("avx512f")))
-static void swiglu_avx512(exp16_fn exp16, const float *gate_up, const float *grad_h, int64_t rows, int64_t f,
-                          int fused, float *out)
+static void swiglu_avx512(exp16_fn exp16, int fused, SWIGLU_ARGS)
 {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; ++r) {
         const float *gate = gate_up + r * 2 * f, *up = gate + f;
+        const __m512 w = _mm512_set1_ps(weight != NULL ? weight[r] : 1.0f);
         for (int64_t j = 0; j < f; j += 16) {
             __m512 x = _mm512_loadu_ps(gate + j);
             __m512 denominator = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
             __m512 silu = _mm512_div_ps(x, denominator);
-            if (grad_h == NULL) {
-                _mm512_storeu_ps(out + r * f + j, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j)));
+            if (grad == NULL) {
+                __m512 h = _mm512_mul_ps(silu, _mm512_loadu_ps(up + j));
+                _mm512_storeu_ps(out + r * f + j, weight != NULL ? _mm512_mul_ps(h, w) : h);
                 continue;
             }
-            __m512 dh = _mm512_loadu_ps(grad_h + r * f + j), s = _mm512_div_ps(one, denominator);
+            __m512 dh = _mm512_loadu_ps(grad + r * f + j), s = _mm512_div_ps(one, denominator);
+            if (weight != NULL) {
+                if (out2 != NULL)
+                    _mm512_storeu_ps(out2 + r * f + j, _mm512_mul_ps(dh, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j))));
+                dh = _mm512_mul_ps(dh, w);
+            }
             __m512 dy = _mm512_mul_ps(dh, _mm512_loadu_ps(up + j));
             __m512 one_minus_s = _mm512_sub_ps(one, s);
             __m512 slope = fused ? _mm512_fmadd_ps(x, one_minus_s, one)
@@ -1476,21 +1493,27 @@ static void swiglu_avx512(exp16_fn exp16, const float *gate_up, const float *gra
 typedef __m256 (*exp8_fn)(__m256);
 
 __attribute__((target("avx2,fma")))
-static void swiglu_avx2(exp8_fn exp8, const float *gate_up, const float *grad_h, int64_t rows, int64_t f, int fused,
-                        float *out)
+static void swiglu_avx2(exp8_fn exp8, int fused, SWIGLU_ARGS)
 {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; ++r) {
         const float *gate = gate_up + r * 2 * f, *up = gate + f;
+        const __m256 w = _mm256_set1_ps(weight != NULL ? weight[r] : 1.0f);
         for (int64_t j = 0; j < f; j += 8) {
             __m256 x = _mm256_loadu_ps(gate + j);
             __m256 denominator = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
             __m256 silu = _mm256_div_ps(x, denominator);
-            if (grad_h == NULL) {
-                _mm256_storeu_ps(out + r * f + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+            if (grad == NULL) {
+                __m256 h = _mm256_mul_ps(silu, _mm256_loadu_ps(up + j));
+                _mm256_storeu_ps(out + r * f + j, weight != NULL ? _mm256_mul_ps(h, w) : h);
                 continue;
             }
-            __m256 dh = _mm256_loadu_ps(grad_h + r * f + j), s = _mm256_div_ps(one, denominator);
+            __m256 dh = _mm256_loadu_ps(grad + r * f + j), s = _mm256_div_ps(one, denominator);
+            if (weight != NULL) {
+                if (out2 != NULL)
+                    _mm256_storeu_ps(out2 + r * f + j, _mm256_mul_ps(dh, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j))));
+                dh = _mm256_mul_ps(dh, w);
+            }
             __m256 dy = _mm256_mul_ps(dh, _mm256_loadu_ps(up + j));
             __m256 one_minus_s = _mm256_sub_ps(one, s);
             __m256 slope = fused ? _mm256_fmadd_ps(x, one_minus_s, one)
@@ -1502,24 +1525,23 @@ static void swiglu_avx2(exp8_fn exp8, const float *gate_up, const float *grad_h,
 }
 #endif
 
-int64_t swiglu(int64_t lanes, const void *exp, int64_t fused, const float *gate_up, const float *grad_h, int64_t rows,
-               int64_t f, float *out)
+int64_t swiglu(int64_t lanes, const void *exp, int64_t fused, SWIGLU_ARGS)
 {
     if (lanes == 1) {
         if (fused) return -1;
-        swiglu_scalar((exp1_fn)exp, gate_up, grad_h, rows, f, out);
+        swiglu_scalar((exp1_fn)exp, gate_up, grad, weight, rows, f, out, out2);
         return 0;
     }
     if (f % (2 * lanes) != 0) return -1;
 #ifdef AVX512_KERNELS
     if (lanes == 16 && __builtin_cpu_supports("avx512f")) {
-        swiglu_avx512((exp16_fn)exp, gate_up, grad_h, rows, f, (int)fused, out);
+        swiglu_avx512((exp16_fn)exp, (int)fused, gate_up, grad, weight, rows, f, out, out2);
         return 0;
     }
 #endif
 #ifdef AVX2_KERNELS
     if (lanes == 8 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        swiglu_avx2((exp8_fn)exp, gate_up, grad_h, rows, f, (int)fused, out);
+        swiglu_avx2((exp8_fn)exp, (int)fused, gate_up, grad, weight, rows, f, out, out2);
         return 0;
     }
 #endif

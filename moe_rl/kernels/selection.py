@@ -48,7 +48,8 @@ FAMILIES = {
     "rows": "the experts' input rows gathered and their outputs summed (C copies and sums; the torch index ops' bits)",
     "mkl_products": "the experts' grouped products as MKL batch calls (torch._grouped_mm's and bmm's bits)",
     "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; torch's bits, checked at load)",
-    "swiglu": "the experts' silu(gate) * up, one C pass each way (torch's bits, checked at first use)",
+    "swiglu": "the experts' silu(gate) * up (times the gate weights where they scale the down product's input), "
+              "one C pass each way (torch's bits, checked at first use)",
     "rotary": "the rotary embedding, forward and backward (C; the torch ops' bits)",
     "rms_norm": "RMS norm with autograd, its elementwise passes in C (the torch composite's bits)",
     "decode_attention": "the fp32 sampler's one-query attention over the KV cache (C; torch's to fp32 rounding)",

@@ -166,6 +166,12 @@ def swiglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_NF) * up_NF
 
 
+@replaceable("swiglu")
+def weighted_swiglu(gate_up_N2F: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+    """swiglu of each row times the row's gate weight: the down product's input where the weight scales it."""
+    return swiglu(gate_up_N2F) * weight_N[:, None]
+
+
 @replaceable("mkl_products")
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]; groups given by their end offsets."""
@@ -279,17 +285,16 @@ def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD)
     dtype = _compute_dtype(x_TD)
     rows = expert_rows(x_TD, weights_TK, slots)
     gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), w_gate_up_EDF2.to(dtype), slots.counts_E)
-    hidden_NF = swiglu(gate_up_N2F)
     gate_weight_N = rows.weight_R
     d_expert, d_model = w_down_EFD.shape[1:]
     if dtype == torch.float32 and d_expert < d_model:
         # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
         # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
-        hidden_NF = hidden_NF * gate_weight_N[:, None]
+        hidden_NF = weighted_swiglu(gate_up_N2F, gate_weight_N)
         y_ND = grouped_mm(hidden_NF, w_down_EFD, slots.counts_E)
         return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
     # low precision, or F >= D: the gate weight is applied in fp32 after the matmul
-    y_ND = grouped_mm(hidden_NF, w_down_EFD.to(dtype), slots.counts_E)
+    y_ND = grouped_mm(swiglu(gate_up_N2F), w_down_EFD.to(dtype), slots.counts_E)
     return combine_weighted_rows(y_ND, gate_weight_N, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 
 
@@ -313,11 +318,11 @@ def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, 
             return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
         return grouped_mm(a_RD, w_EDF, block_rows_E)
 
-    hidden_RF = swiglu(blocks_times(w_gate_up_EDF2.to(dtype), x_RD))
-    if dtype == torch.float32 and hidden_RF.shape[-1] < x_TD.shape[1]:  # the gate weight on the narrower side
-        y_RD = blocks_times(w_down_EFD, hidden_RF * rows.weight_R[:, None])
+    gate_up_R2F = blocks_times(w_gate_up_EDF2.to(dtype), x_RD)
+    if dtype == torch.float32 and d_expert < d_model:  # the gate weight on the narrower side
+        y_RD = blocks_times(w_down_EFD, weighted_swiglu(gate_up_R2F, rows.weight_R))
         return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
-    y_RD = blocks_times(w_down_EFD.to(dtype), hidden_RF)
+    y_RD = blocks_times(w_down_EFD.to(dtype), swiglu(gate_up_R2F))
     return combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
 
 
