@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import spy_kernel, switch_kernels_off, tiny_config, tiny_model
 
-from moe_rl.kernels import attention, native, sampler
+from moe_rl.kernels import activation, attention, native, sampler
 from moe_rl.model import layers, moe
 from moe_rl.model.moe import sort_slots, topk_indices
 from moe_rl.rollout import SamplingConfig, generate
@@ -202,14 +202,6 @@ def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, m
     assert torch.equal(native_grad, torch_grad)
 
 
-def _same_floats(ours: torch.Tensor, torchs: torch.Tensor) -> bool:
-    """Equal bit for bit but for NaN payloads: the same NaN positions, values, infinities and signs of zeros."""
-    if not torch.equal(ours.isnan(), torchs.isnan()):
-        return False
-    ours, torchs = (t.nan_to_num(0.0, posinf=float("inf"), neginf=-float("inf")) for t in (ours, torchs))
-    return torch.equal(ours, torchs) and torch.equal(ours.signbit(), torchs.signbit())
-
-
 @needs_native
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("grads", ["rows and weights", "rows only", "weights only", "none"])
@@ -256,7 +248,7 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
                                   native, reference):
         assert (ours is None) == (torchs is None), name
         if ours is not None:
-            assert _same_floats(ours, torchs), name
+            assert activation.same_bits(ours, torchs), name
     assert reference[0].isnan().any() and reference[0].isinf().any()  # the special values reached the output
     if padding:
         assert (rows.token_R == 50).any()
@@ -304,7 +296,7 @@ def test_rms_norm_with_autograd_equals_the_torch_composite(width, grads, values,
     for name, ours, torchs in zip(("values", "x's gradient", "weight's gradient"), native, reference):
         assert (ours is None) == (torchs is None), name
         if ours is not None:
-            assert _same_floats(ours, torchs), name
+            assert activation.same_bits(ours, torchs), name
     if values == "special":
         assert reference[0].isnan().any()  # the special values reached the output
         if "input" in grads:

@@ -34,10 +34,6 @@ def _gate_up(rows: int, d_expert: int) -> torch.Tensor:
     return gate_up_N2F
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
-
-
 @pytest.mark.parametrize("d_expert", [4, 16, 32, 40, 64, 256])
 @pytest.mark.parametrize("rows", [0, 1, 7, 300])
 def test_the_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, monkeypatch):
@@ -49,9 +45,10 @@ def test_the_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, monke
     theirs = gate_up_N2F.clone().requires_grad_()
     reference_NF = swiglu.reference(theirs)
     reference_NF.backward(grad_NF)
-    assert _same_bits(hidden_NF.detach(), reference_NF.detach()) and _same_bits(ours.grad, theirs.grad)
+    assert activation.same_bits(hidden_NF.detach(), reference_NF.detach())
+    assert activation.same_bits(ours.grad, theirs.grad)
     with torch.no_grad():
-        assert _same_bits(swiglu(gate_up_N2F), reference_NF.detach())
+        assert activation.same_bits(swiglu(gate_up_N2F), reference_NF.detach())
     assert len(served) == (2 if d_expert in _served_widths() else 0), "the kernel served where it should not, or not"
 
 
@@ -82,7 +79,7 @@ def test_the_weighted_kernel_gives_torchs_bits_forward_and_backward(d_expert, ro
     for name, a, b in zip(("values", "values without autograd", "gate_up's gradient", "weights' gradient"), ours,
                           theirs):
         assert (a is None) == (b is None), name
-        assert a is None or _same_bits(a, b), name
+        assert a is None or activation.same_bits(a, b), name
     assert len(served) == (2 if d_expert in _served_widths() else 0), "the kernel served where it should not, or not"
 
 
@@ -96,13 +93,13 @@ def test_the_check_at_load_tells_the_fused_and_unfused_ways_apart():
     reference = gate_up_N2F.clone().requires_grad_()
     swiglu.reference(reference).backward(grad_NF)
     other = variant._replace(fused=not variant.fused)
-    assert _same_bits(activation._swiglu(variant, gate_up_N2F, grad_NF), reference.grad)
-    assert not _same_bits(activation._swiglu(other, gate_up_N2F, grad_NF), reference.grad)
+    assert activation.same_bits(activation._swiglu(variant, gate_up_N2F, grad_NF), reference.grad)
+    assert not activation.same_bits(activation._swiglu(other, gate_up_N2F, grad_NF), reference.grad)
 
 
 def test_a_negative_zero_is_not_a_zero_and_nan_is_nan():
-    assert not activation._same(torch.tensor([0.0]), torch.tensor([-0.0]))
-    assert activation._same(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert not activation.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert activation.same_bits(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
 
 
 def test_it_serves_one_torch_thread_only(monkeypatch):

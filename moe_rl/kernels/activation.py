@@ -166,7 +166,8 @@ def exact_variant(d_expert: int) -> Variant | None:
         status, ours_NF, _ = _run(variant, gate_up_N2F, None)
         if status != 0:  # a width it does not take (d_expert % (2 * lanes)), or vectors the build or CPU lacks
             return None
-        if _same(ours_NF, hidden_NF.detach()) and _same(_swiglu(variant, gate_up_N2F, grad_NF), theirs_N2F.grad):
+        backward_N2F = _swiglu(variant, gate_up_N2F, grad_NF)
+        if same_bits(ours_NF, hidden_NF.detach()) and same_bits(backward_N2F, theirs_N2F.grad):
             return variant
     return None
 
@@ -185,8 +186,10 @@ def _check_block(d_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up_N2F, torch.randn(64, d_expert, generator=generator)
 
 
-def _same(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """The same bits, where NaN equals NaN (the payload of a NaN is not a number anyone reads)."""
+def same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """The same shape and bits (fp32), where NaN equals NaN (the payload of a NaN is not a number anyone reads)."""
+    if ours.shape != theirs.shape:
+        return False
     both_nan = ours.isnan() & theirs.isnan()
     return bool(((ours.view(torch.int32) == theirs.view(torch.int32)) | both_nan).all())
 
