@@ -10,8 +10,19 @@ Reads run directories only; the trainer never imports this package (docs/design.
 Figures live in analysis.plots (matplotlib is imported only there and in analysis.report).
 """
 
-from analysis.aggregate import (add_groups, bootstrap_ci, final_scores, group_keys, iqm, layer_churn, mean_ci,
-                                run_finals, run_initials, summarize, t_ci)
+from analysis.aggregate import (
+                                add_groups,
+                                bootstrap_ci,
+                                final_scores,
+                                group_keys,
+                                iqm,
+                                layer_churn,
+                                mean_ci,
+                                run_finals,
+                                run_initials,
+                                summarize,
+                                t_ci,
+)
 from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.load import NoRunsError, RunSet, find_runs, load_runs, per_step
 

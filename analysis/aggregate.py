@@ -20,7 +20,6 @@ and `n` counts what remains.
 from __future__ import annotations
 
 import math
-
 import warnings
 from collections.abc import Sequence
 

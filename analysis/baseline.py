@@ -9,7 +9,7 @@ validation split) and greedy, read from what `moe-rl evaluate` wrote (evaluate.j
     against_baseline(per_run, base)                   # per group: final held-out minus the baseline, with a CI
 
 RL that only sharpens the policy beats the warm start at T = 1 but not the warm start at its own best temperature,
-so a method's held-out accuracy is read against this row. Its standard errors count prompts (moe_rl/evaluation.py).
+so a method's held-out accuracy is read against this row. Its standard errors count prompts (moe_rl/rl/heldout.py).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ A run whose start is 0 cannot collapse by this rule (there is nothing to lose) u
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 
 import pandas as pd
 

@@ -12,7 +12,7 @@ rejecting a fraction alpha of (cell, metric) pairs when nothing changed:
                 spread only (a one-seed rerun is tested too).
     welch       Welch's two-sample t of the two means (analysis.stats.welch_from_stats); uses the rerun's
                 spread too, so a machine that widens the spread is not taken for a shift. With 3 + 3 seeds
-                it is conservative (3.3% rejected at a nominal 5% in tests/test_analysis_stats.py).
+                it is conservative (3.3% rejected at a nominal 5% in tests/analysis/test_analysis_stats.py).
 
 The summary prints how many pairs were rejected, how many alpha x tested would be under no change, and the
 binomial probability of at least the observed count under no change. Metrics of one cell are correlated

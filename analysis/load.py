@@ -115,7 +115,7 @@ def _run_info(path: Path, name: str, config: dict, lines: list[dict]) -> dict[st
 @functools.cache
 def _added_field_defaults() -> dict[str, Any]:
     """{dotted key: default} of every TrainConfig field (the RL runs' config)."""
-    from moe_rl.config import TrainConfig
+    from moe_rl.rl.run_config import TrainConfig
 
     return field_defaults(TrainConfig())
 

@@ -8,7 +8,7 @@ commit (a few kB per study, where the run directories are hundreds of MB).
     per_run_eval(data)                     one row per (run, evaluation): run, group, seed, step, eval/* metrics
 
 `tables/final_scores.csv` and `tables/churn_vs_lr_depth.csv` are these values summarised over each group's runs
-(mean and Student-t CI): tests/test_analysis_per_run.py recomputes them from the per-run files.
+(mean and Student-t CI): tests/analysis/test_analysis_per_run.py recomputes them from the per-run files.
 """
 
 from __future__ import annotations

@@ -22,11 +22,25 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import _label_part
-from analysis.churn_figures import (fig_churn_layer_profile, fig_churn_scaling, fig_churn_vs_policy_change,
-                                    fig_scaling_fit)
+from analysis.churn_figures import (
+    fig_churn_layer_profile,
+    fig_churn_scaling,
+    fig_churn_vs_policy_change,
+    fig_scaling_fit,
+)
 from analysis.load import RunSet
-from analysis.panels import (LABELS, SMOOTH_STEPS, X_LABELS, Looks, draw_curves, draw_layer_curves,
-                             figure_legend, looks_for, no_data, present)
+from analysis.panels import (
+    LABELS,
+    SMOOTH_STEPS,
+    X_LABELS,
+    Looks,
+    draw_curves,
+    draw_layer_curves,
+    figure_legend,
+    looks_for,
+    no_data,
+    present,
+)
 from analysis.style import SEQUENTIAL_CMAP, in_paper_style, new_figure, percent_formatter
 
 __all__ = ["FIGURES", "LABELS", "SMOOTH_STEPS", "looks_for"]

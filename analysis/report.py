@@ -38,17 +38,29 @@ import pandas as pd
 import tyro
 
 from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci
-from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.baseline import against_baseline, read_baseline, with_baseline
+from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.comparisons import paired_comparisons
-from analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
-from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from analysis.learning import learning_table
+from analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
 from analysis.per_run import per_run_eval, per_run_final, warm_start_name
-from analysis.report_text import (baseline_section, learning_markdown, paired_markdown, scaling_markdown,
-                                  skipped_markdown)
-from analysis.scaling import (coefficient_table, extrapolation_table, held_out_check, near_level_cells,
-                              set_change_check, split_target, warm_start_cluster)
+from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
+from analysis.report_text import (
+    baseline_section,
+    learning_markdown,
+    paired_markdown,
+    scaling_markdown,
+    skipped_markdown,
+)
+from analysis.scaling import (
+    coefficient_table,
+    extrapolation_table,
+    held_out_check,
+    near_level_cells,
+    set_change_check,
+    split_target,
+    warm_start_cluster,
+)
 from analysis.style import FORMATS, save
 from moe_rl.errors import ConfigError, check_positive
 from moe_rl.runs.claim import check_out_dir

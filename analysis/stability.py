@@ -548,8 +548,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from moe_rl.errors import ConfigError
     from analysis.load import NoRunsError
+    from moe_rl.errors import ConfigError
 
     try:
         main()

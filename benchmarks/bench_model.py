@@ -3,14 +3,14 @@
 Three measures, each with its contenders interleaved in one run (medians of wall and of CPU time, and their ratios):
 1. forward+backward of the whole model: native (dispatch 'grouped', and the 'loop' reference) vs HF Qwen3-MoE
    built from a config of the same size (no download; experts implementation 'grouped_mm');
-2. sampling: `moe_rl.rollout.generate` vs HF `generate`, batch 64, prompt 16, 64 new tokens, sampling on
+2. sampling: `moe_rl.rl.rollout.generate` vs HF `generate`, batch 64, prompt 16, 64 new tokens, sampling on
    (temperature 1, no top-k, top-p 1), every sequence running the full length (EOS never ends one);
 3. the `Experts` module alone on 1,024 tokens, forward+backward, per dispatch kernel, against a dense matmul chain
    of the same FLOPs (x_ND @ W_D2F, h_NF @ W_FD over N = T*K rows): the matmul limit.
 
 What it simplifies: random weights and tokens (routing at init is near-balanced, which favours no kernel in
 particular: 'grouped' picks its kernel per call from the actual group sizes). CPU only; the GPU path is checked by
-tests/test_gpu.py, not timed here.
+tests/benchmarks/test_gpu.py, not timed here.
 
     python -m benchmarks.bench_model            # about 3 minutes on a quiet CPU
     python -m benchmarks.bench_model --quick    # fewer repeats
@@ -32,7 +32,7 @@ import torch
 from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, no_kernels, write_csv
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.moe import Experts
-from moe_rl.rollout import SamplingConfig, generate
+from moe_rl.rl.rollout import SamplingConfig, generate
 
 COMMON = dict(d_model=64, n_heads=4, n_kv_heads=2, vocab_size=99, max_seq_len=256)
 SHAPES = {

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-import moe_rl.trainer
-from benchmarks.bench_step import SHAPES as STEP_SHAPES, _CPUClock, _new_trainer, _timed_step, PHASES
+import moe_rl.rl.trainer
+from benchmarks.bench_step import PHASES, _CPUClock, _new_trainer, _timed_step
+from benchmarks.bench_step import SHAPES as STEP_SHAPES
 from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, write_csv
 from moe_rl.kernels import grouped_gemm, native, sampler
 from moe_rl.model.moe import sort_slots
-from moe_rl.probes import ProbeConfig
+from moe_rl.rl.probes import ProbeConfig
 
 LAYERS, EXPERTS = 48, 128
 GROUP_SIZES = {"update minibatch (~44 slots per expert)": 44, "decode step (~8 slots per expert)": 8}
@@ -142,7 +143,7 @@ def time_sampler(libraries: dict, repeat: int) -> list[dict]:
 
 def time_steps(libraries: dict, steps: int) -> list[dict]:
     """The paper-shaped RL step, the builds taking turns (A B, B A, ...) after a warm-up step each."""
-    moe_rl.trainer.time = _CPUClock
+    moe_rl.rl.trainer.time = _CPUClock
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = _new_trainer(STEP_SHAPES["paper (d64 L48 E128 K8 F32)"], ProbeConfig(), 2 * steps + 2, out_dir)
         measured = {build: [] for build in BUILDS}

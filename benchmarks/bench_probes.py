@@ -26,10 +26,10 @@ import torch
 
 from benchmarks.timing import bench_folder
 from moe_rl.model import ModelConfig, MoETransformer
-from moe_rl.policy import policy_forward
-from moe_rl.probes import ProbeConfig, Prober
-from moe_rl.rollout import SamplingConfig, encode_prompts, generate, to_rollout_batch
-from moe_rl.routing import record_routing
+from moe_rl.rl.policy import policy_forward
+from moe_rl.rl.probes import ProbeConfig, Prober
+from moe_rl.rl.rollout import SamplingConfig, encode_prompts, generate, to_rollout_batch
+from moe_rl.routing.replay import record_routing
 from moe_rl.tasks import CharTokenizer
 
 

@@ -1,6 +1,6 @@
 """Where one RL step's time goes, by phase, at the tiny default model and at the paper's shape (CPU, one thread).
 
-Runs the real trainer (`moe_rl.trainer.Trainer.rl_step`, default GRPO on chain_sum, default probes) for one warm-up
+Runs the real trainer (`moe_rl.rl.trainer.Trainer.rl_step`, default GRPO on chain_sum, default probes) for one warm-up
 rollout step and `--steps` measured ones (3 by default, the contenders of a shape taking turns one step at a time,
 so that the machine's drift falls on all of them alike), 16 prompts x 8 completions and 4 minibatches, and splits
 each measured step with the trainer's own `time/*` metrics (docs/metrics.md) into: sample (generation and scoring),
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-import moe_rl.trainer
+import moe_rl.rl.trainer
 from benchmarks.timing import bench_folder, cpu_class, kernels_lines, no_kernels, write_csv
-from moe_rl.config import TrainConfig
 from moe_rl.model import ModelConfig
-from moe_rl.probes import ProbeConfig
-from moe_rl.trainer import Trainer
+from moe_rl.rl.probes import ProbeConfig
+from moe_rl.rl.run_config import TrainConfig
+from moe_rl.rl.trainer import Trainer
 
 SHAPES = {
     "tiny (default model, L4 E8 K2)": ModelConfig(),
@@ -53,7 +53,7 @@ def phases(lines: list[dict]) -> dict[str, float]:
 
 
 class _CPUClock:
-    """Stands in for the `time` module inside moe_rl.trainer, so its time/* metrics count this process's CPU seconds
+    """Stands in for the `time` module inside moe_rl.rl.trainer, so its time/* metrics count this process's CPU seconds
     (robust on a shared machine) instead of wall seconds."""
 
     perf_counter = staticmethod(time.process_time)
@@ -79,7 +79,7 @@ def bench_shape(model: ModelConfig, variants: dict[tuple[str, str], ProbeConfig]
     """(kernels, probe rows) -> median phases over `steps` measured rollout steps. The contenders take turns, one
     step each, after one warm-up step each (it warms allocators and caches), so that a drift in the machine's speed
     falls on all of them alike and a difference between them is not the minute it was measured in."""
-    moe_rl.trainer.time = _CPUClock
+    moe_rl.rl.trainer.time = _CPUClock
     with contextlib.ExitStack() as stack:
         trainers = {key: _new_trainer(model, probes, steps, stack.enter_context(tempfile.TemporaryDirectory()))
                     for key, probes in variants.items()}

@@ -5,7 +5,7 @@ others still run.
 1. bf16 training steps of `MoETransformer` at two bench shapes (benchmarks/bench_model.py), under the trainer's CUDA
    autocast (bf16, routers in fp32): the loss is finite, every parameter changes, milliseconds per step (AdamW
    included; CUDA events, median after warm-up).
-2. Replay exactness under bf16 autocast: routing recorded on a forward (`moe_rl.routing.record_routing`) and replayed
+2. Replay exactness under bf16 autocast: routing recorded on a forward (`moe_rl.routing.replay.record_routing`) and replayed
    (`replay_routing`) must give bit-identical logits and router gradients (`torch.equal`). Measured twice, with
    torch's default kernels and with `torch.use_deterministic_algorithms(True)` (strict; warn-only if some op has no
    deterministic kernel), each beside a second native pass (the floor: CUDA's atomic adds may reorder a sum between
@@ -27,7 +27,7 @@ others still run.
    (part 'hf_train').
 
 What it simplifies: random weights, tokens and routing (near-balanced at init); the RL step starts from a fresh model,
-so it times the machinery, not learning. With one GPU, torchrun starts one process, for which moe_rl.distributed forms
+so it times the machinery, not learning. With one GPU, torchrun starts one process, for which moe_rl.rl.distributed forms
 no process group and `--parallel fsdp2` would change nothing; the torchrun process then joins a group of one itself
 (`--fsdp2-worker`), so FSDP2 shards over one rank and its gathers, reduce-scatters and whole-state checkpoint run.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_fsdp2 import fsdp2_step, fsdp2_worker
-from benchmarks.gpu_report import environment, markdown, verdict, write_report  # noqa: F401
+from benchmarks.gpu_report import autocast, environment, markdown, verdict, write_report  # noqa: F401
 
 # The moe_rl and benchmark imports sit inside the parts, so that a broken import is that part's error in the report.
 
@@ -135,14 +135,6 @@ def time_limit(seconds: float):
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def autocast(device: torch.device):
-    """The trainer's numerics (moe_rl/model/layers.py, autocast_context, restated: that module may move): bf16
-    autocast on CUDA, the routers opting out to fp32; fp32 without autocast on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -256,7 +248,7 @@ def deterministic_algorithms(warn_only: bool | None):
 def routed_pass(model, ids_BS: torch.Tensor, device: torch.device, record: bool = False, trace=None):
     """One forward (native, recording, or replaying `trace`) and backward: (logits, router gate gradients per MoE
     layer, the recorded trace or None)."""
-    from moe_rl.routing import record_routing, replay_routing
+    from moe_rl.routing.replay import record_routing, replay_routing
 
     model.zero_grad(set_to_none=True)
     if record:
@@ -311,7 +303,7 @@ def replay_comparison(model, ids_BS: torch.Tensor, device: torch.device, determi
 
 def replay_exactness(shape: str, model_kwargs: dict, batch: int, seq_len: int, device: torch.device) -> dict:
     from moe_rl.model import ModelConfig, MoETransformer
-    from moe_rl.routing import RoutingTrace
+    from moe_rl.routing.trace import RoutingTrace
 
     torch.manual_seed(0)
     cfg = ModelConfig(**model_kwargs)
@@ -401,7 +393,7 @@ def expert_throughput(shape: str, n_experts: int, top_k: int, d_model: int, d_ex
 
 
 class SyncedClock:
-    """Stands in for the `time` module inside moe_rl.trainer: perf_counter waits for the GPU first, so the trainer's
+    """Stands in for the `time` module inside moe_rl.rl.trainer: perf_counter waits for the GPU first, so the trainer's
     time/* metrics give each phase its GPU work, not just the time it took to queue it."""
 
     def __init__(self, device: torch.device):
@@ -416,14 +408,14 @@ class SyncedClock:
 
 
 def rl_step_phases(n_layers: int, steps: int, device: torch.device, seconds: float) -> dict:
-    import moe_rl.trainer
+    import moe_rl.rl.trainer
     from benchmarks.bench_step import PHASES, phases
-    from moe_rl.config import TrainConfig
     from moe_rl.model import ModelConfig
-    from moe_rl.trainer import Trainer
+    from moe_rl.rl.run_config import TrainConfig
+    from moe_rl.rl.trainer import Trainer
 
     model = ModelConfig(d_model=64, n_layers=n_layers, n_experts=128, top_k=8, d_expert=32)
-    clock, moe_rl.trainer.time = moe_rl.trainer.time, SyncedClock(device)
+    clock, moe_rl.rl.trainer.time = moe_rl.rl.trainer.time, SyncedClock(device)
     measured, losses = [], []
     try:
         with tempfile.TemporaryDirectory() as out_dir:
@@ -447,7 +439,7 @@ def rl_step_phases(n_layers: int, steps: int, device: torch.device, seconds: flo
                 if time.perf_counter() + wall > stop:
                     break
     finally:
-        moe_rl.trainer.time = clock
+        moe_rl.rl.trainer.time = clock
     medians = {key: statistics.median(m[key] for m in measured) for key in measured[0]}
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     return {"shape": f"d64 L{n_layers} E128 K8 F32", "batch": "16 prompts x 8 completions, 4 minibatches",

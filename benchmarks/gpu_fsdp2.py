@@ -35,7 +35,7 @@ def fsdp2_command(run_dir: Path, device: str, nproc: int, steps: int) -> list[st
 
 def fsdp2_worker(cli_argv: list[str]) -> int:
     """One torchrun process of part 4: the `moe-rl` command (moe_rl.cli.main) on `cli_argv`. With a single process
-    (WORLD_SIZE 1) moe_rl.distributed forms no process group and `--parallel fsdp2` would do nothing, so the worker
+    (WORLD_SIZE 1) moe_rl.rl.distributed forms no process group and `--parallel fsdp2` would do nothing, so the worker
     joins a group of one first (NCCL with --device cuda, else gloo); the command then uses that group."""
     import torch.distributed as dist
 

@@ -6,9 +6,9 @@ native pass (the floor), with torch's default kernels and with deterministic one
 deterministic CUDA kernel only warns); the native routing computed under the replay must equal the recorded one, and a
 replay of shifted ids must move the logits. Then `moe-rl train --model.backend hf --device cuda` for two rollout steps
 under R2: finished with finite losses; its replay churn (replayed old-pass ids against the routers' own choice in the
-same forward) is reported, not required to be 0: on CPU it is 0 at minibatch 0 bit for bit (tests/test_hf_train.py),
-on a GPU the old pass and the update's forward may round apart. The CPU tests (tests/test_hf_model.py,
-tests/test_hf_train.py) check the same contract in fp32 bit for bit.
+same forward) is reported, not required to be 0: on CPU it is 0 at minibatch 0 bit for bit (tests/rl/test_hf_train.py),
+on a GPU the old pass and the update's forward may round apart. The CPU tests (tests/model/test_hf_model.py,
+tests/rl/test_hf_train.py) check the same contract in fp32 bit for bit.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def padded_batch(device: torch.device, B: int = 4, S: int = 32) -> tuple[torch.T
 
 
 def _logits(model, ids_BS, valid_BS, session=None) -> torch.Tensor:
-    from benchmarks.gpu_check import autocast
+    from benchmarks.gpu_report import autocast
 
     with session or contextlib.nullcontext(), torch.no_grad(), autocast(ids_BS.device):
         return model(ids_BS, valid_BS).logits_BSV.float()
@@ -45,7 +45,7 @@ def _logits(model, ids_BS, valid_BS, session=None) -> torch.Tensor:
 
 def _passes(model, ids_BS, valid_BS) -> dict:
     """Recorded, again and replayed logits; whether the replay's native routing is the recorded one."""
-    from moe_rl.routing import record_routing, replay_routing
+    from moe_rl.routing.replay import record_routing, replay_routing
 
     with record_routing(model) as recording:
         recorded = _logits(model, ids_BS, valid_BS)
@@ -63,7 +63,8 @@ def _passes(model, ids_BS, valid_BS) -> dict:
 def hf_replay(family: str, device: torch.device) -> dict:
     from moe_rl.model import ModelConfig
     from moe_rl.model.hf import tiny_hf_model
-    from moe_rl.routing import RoutingTrace, replay_routing
+    from moe_rl.routing.replay import replay_routing
+    from moe_rl.routing.trace import RoutingTrace
 
     torch.manual_seed(0)
     cfg = ModelConfig(backend="hf", hf_config=family, **HF_SIZES)

@@ -167,3 +167,11 @@ def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "gpu.md").write_text(markdown(report))
+
+
+def autocast(device: torch.device):
+    """The trainer's numerics (moe_rl/model/layers.py, autocast_context, restated: that module may move): bf16
+    autocast on CUDA, the routers opting out to fp32; fp32 without autocast on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -28,7 +28,6 @@ from experiments.objective_comparison import objective_comparison
 from experiments.smoke import smoke
 from experiments.stability import stability
 from experiments.stress import stress
-
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 

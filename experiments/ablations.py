@@ -17,10 +17,9 @@ with --workers 2 on this shared 2-core machine (warm starts about 25 s, runs 11-
 
 from __future__ import annotations
 
-from moe_rl.sweep.grid import Experiment, axis, product, union
-from moe_rl.objectives import get_objective
-
 from experiments.common import rl_base, warm_start
+from moe_rl.objectives import get_objective
+from moe_rl.sweep.grid import Experiment, axis, product, union
 
 
 def ablations(scale: str = "cpu", objective: str = "grpo", routing_mode: str = "native", seeds: int = 1,

@@ -50,11 +50,10 @@ by `make reproduce`.
 
 from __future__ import annotations
 
-from moe_rl.config import SFTConfig, TrainConfig
-from moe_rl.errors import ConfigError
-from moe_rl.sweep.grid import Experiment, Point, axis, product, union
-
 from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.errors import ConfigError
+from moe_rl.rl.run_config import SFTConfig, TrainConfig
+from moe_rl.sweep.grid import Experiment, Point, axis, product, union
 
 # Swept values per scale: (default grid, full=true grid).
 LRS = {"cpu": ((5e-5, 1.5e-4), (5e-5, 1.5e-4, 4e-4)), "gpu": ((1e-6, 1e-5, 1e-4), (1e-6, 3e-6, 1e-5, 3e-5, 1e-4))}

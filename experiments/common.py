@@ -11,11 +11,11 @@ gpu: a deeper, wider model in the regime of the GSPO paper's churn claim (d_mode
 
 from __future__ import annotations
 
-from moe_rl.config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
-from moe_rl.rollout import SamplingConfig
+from moe_rl.rl.rollout import SamplingConfig
+from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from moe_rl.tasks import TaskConfig
 
 SCALES = ("cpu", "gpu")

@@ -28,9 +28,8 @@ GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 
 from __future__ import annotations
 
-from moe_rl.sweep.grid import Experiment, axis, product
-
 from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.sweep.grid import Experiment, axis, product
 
 TIS = {"correction.is_level": "token", "correction.is_cap": 2.0}  # verl's default cap
 ICEPOP = {"correction.is_level": "token", "correction.is_band": (0.5, 2.0)}  # IcePop's published band

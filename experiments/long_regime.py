@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moe_rl.config import LogConfig, SFTConfig, TrainConfig
+from experiments.common import SCALES, rl_base
+from experiments.common import model as common_model
+from experiments.common import warm_start as common_warm_start
 from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
+from moe_rl.rl.run_config import LogConfig, SFTConfig, TrainConfig
 from moe_rl.tasks import TaskConfig
-
-from experiments.common import SCALES, model as common_model, rl_base, warm_start as common_warm_start
 
 CPU_MODEL = ModelConfig(n_layers=4, n_experts=64, top_k=8, d_expert=32)
 CPU_TASK = TaskConfig(name="running_sum", min_terms=4, max_terms=6, demo_slip_rate=0.15)

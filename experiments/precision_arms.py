@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.correction import mismatch_metrics
-from moe_rl.model.precision import SAMPLER_PRECISIONS
-from moe_rl.routing import churn_stats
-from moe_rl.sft import sft
-from moe_rl.trainer import Trainer
-
 from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.commands.sft import sft
+from moe_rl.model.precision import SAMPLER_PRECISIONS
+from moe_rl.rl.correction import mismatch_metrics
+from moe_rl.rl.trainer import Trainer
+from moe_rl.routing.churn import churn_stats
 
 
 def measure_arm(warm: Path, precision: str, prompts: int, group_size: int, seed: int) -> dict:

@@ -9,13 +9,12 @@ start of five Python processes (one warm start, four runs; the training itself t
 
 from __future__ import annotations
 
-from moe_rl.config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
-from moe_rl.errors import check_choice
-from moe_rl.sweep.grid import Experiment, axis, product
-from moe_rl.model import ModelConfig
-from moe_rl.rollout import SamplingConfig
-
 from experiments.common import SCALES
+from moe_rl.errors import check_choice
+from moe_rl.model import ModelConfig
+from moe_rl.rl.rollout import SamplingConfig
+from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from moe_rl.sweep.grid import Experiment, axis, product
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64,
                    max_seq_len=64)

@@ -57,11 +57,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from experiments.correction import ICEPOP, TIS
+from experiments.correction import LABELS as CORRECTION_LABELS
+from experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment, product, union
-
-from experiments.correction import ICEPOP, LABELS as CORRECTION_LABELS, TIS
-from experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
 
 METHODS = {
     "grpo": {"routing_mode": "native"},

@@ -35,27 +35,27 @@ class Command:
 
 
 def _train():
-    from moe_rl.config import TrainConfig
-    from moe_rl.train import train
+    from moe_rl.commands.train import train
+    from moe_rl.rl.run_config import TrainConfig
 
     return TrainConfig, train
 
 
 def _sft():
-    from moe_rl.config import SFTConfig
-    from moe_rl.sft import sft
+    from moe_rl.commands.sft import sft
+    from moe_rl.rl.run_config import SFTConfig
 
     return SFTConfig, sft
 
 
 def _probe():
-    from moe_rl.probe import ProbeCommandConfig, probe
+    from moe_rl.commands.probe import ProbeCommandConfig, probe
 
     return ProbeCommandConfig, probe
 
 
 def _evaluate():
-    from moe_rl.evaluate import EvaluateConfig, evaluate
+    from moe_rl.commands.evaluate import EvaluateConfig, evaluate
 
     return EvaluateConfig, evaluate
 
@@ -232,7 +232,7 @@ def _config_file(config_class, args: list[str]):
     rest = args[:at] + args[at + (1 if "=" in arg else 2) :]
     if not path or path.startswith("--"):
         raise ConfigError("--config-file needs a path to a JSON or YAML config (e.g. runs/<name>/config.json)")
-    from moe_rl.sweep.overrides import from_dict
+    from moe_rl.rl.overrides import from_dict
 
     data = read_config_file(path)
     try:

@@ -48,9 +48,9 @@ TINY_MODEL = dict(d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, 
 
 def tiny_train_config(out_dir, **overrides):
     """A TrainConfig that runs a rollout step in well under a second on one CPU thread."""
-    from moe_rl.config import OptimConfig, RolloutConfig, TrainConfig
     from moe_rl.model import ModelConfig
-    from moe_rl.rollout import SamplingConfig
+    from moe_rl.rl.rollout import SamplingConfig
+    from moe_rl.rl.run_config import OptimConfig, RolloutConfig, TrainConfig
 
     base = dict(
         out_dir=str(out_dir), total_steps=3, model=ModelConfig(**TINY_MODEL),
@@ -64,10 +64,10 @@ def tiny_train_config(out_dir, **overrides):
 @pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory):
     """A warm-started tiny model (about 0.2 mean reward on chain_sum), shared by the tests that need one."""
-    from moe_rl.config import SFTConfig
+    from moe_rl.commands.sft import sft
     from moe_rl.model import ModelConfig
-    from moe_rl.rollout import SamplingConfig
-    from moe_rl.sft import sft
+    from moe_rl.rl.rollout import SamplingConfig
+    from moe_rl.rl.run_config import SFTConfig
 
     out = tmp_path_factory.mktemp("sft") / "run"
     sft(SFTConfig(out_dir=str(out), steps=300, batch_size=64, model=ModelConfig(**TINY_MODEL), eval_every=1000,
@@ -122,8 +122,9 @@ def spy_kernel(monkeypatch, op: str) -> list:
 def sample_and_refit(precision: str):
     """(churn stats, mean |log p_sampler - log p_trainer|) between the sampler in `precision` and an fp32 full
     forward of the same tokens, on a tiny 16-expert model."""
-    from moe_rl.rollout import SamplingConfig, generate
-    from moe_rl.routing import churn_stats, record_routing
+    from moe_rl.rl.rollout import SamplingConfig, generate
+    from moe_rl.routing.churn import churn_stats
+    from moe_rl.routing.replay import record_routing
 
     model = tiny_model(n_experts=16, top_k=4).eval()
     ids = torch.randint(3, 40, (32, 6), generator=torch.Generator().manual_seed(0))

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moe_rl.kernels.native import library as native_library, torch_cpu_function
+from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.native import torch_cpu_function
 from moe_rl.model.replaceable import implements
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 1}  # torch's dispatch capability -> the lanes of its float vectors

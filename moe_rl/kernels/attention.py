@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from moe_rl.model.replaceable import implements
 from moe_rl.kernels.native import library as native_library
+from moe_rl.model.replaceable import implements
 
 DECODE_LANES = 16  # positions per vector of the decode kernel: rows of transposed keys are padded to a multiple
 

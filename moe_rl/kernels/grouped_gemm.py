@@ -11,7 +11,7 @@ which group sizes round differently is a property of the CPU (on a 2-core AMD EP
 torch computes as a matrix-vector product; on an Intel Xeon with AVX-512 the one-row forward too), so
 `torch_group_sizes` finds them on this machine, once per product and shape, by comparing the batch call with torch's
 own product on every group size it checks, and those experts are computed by torch's product after the batch call.
-The result is torch._grouped_mm's numbers bit for bit, forward and backward (tests/test_grouped_gemm.py checks every
+The result is torch._grouped_mm's numbers bit for bit, forward and backward (tests/kernels/test_grouped_gemm.py checks every
 group size from 0 to 129 against torch._grouped_mm and its autograd): switching kernels changes no sampled token,
 gradient or logged value. The call's per-expert argument arrays are filled by a C kernel (native_kernels.c,
 expert_sgemm), which makes the call cheap enough to pay off at any number of experts without autograd
@@ -40,8 +40,9 @@ from typing import NamedTuple
 
 import torch
 
+from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.native import torch_cpu_function
 from moe_rl.model.replaceable import family_enabled, implements
-from moe_rl.kernels.native import library as native_library, torch_cpu_function
 
 _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2  # the products of native_kernels.c's expert_sgemm
 _PRODUCTS = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-
 ROUNDS = 7
 SAMPLER_ROUNDS = 3  # the decode loops are long enough that three alternations settle them
 FASTER_BY = 0.97  # a family is used only where its time is at most this share of the reference's

@@ -1,6 +1,6 @@
 """The fp32 sampler's experts in one C pass (native_kernels.c, sampler_experts): four slots of an expert per read of
 its weights, the next expert's prefetched, no buffers between the products. It agrees with the grouped path to fp32
-rounding (tests/test_native_kernels.py checks it against float64), not bit for bit, so it serves only the sampler in
+rounding (tests/kernels/test_native_kernels.py checks it against float64), not bit for bit, so it serves only the sampler in
 the trainer's precision: inference mode (which marks the sampler's passes; the trainer's no-grad passes run under
 no_grad), no autocast (the bf16 sampler), CPU fp32, model and expert widths that are multiples of 16.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.model.replaceable import implements
 from moe_rl.kernels.native import library as native_library
 from moe_rl.model.moe import SlotLayout
+from moe_rl.model.replaceable import implements
 
 LANES = 16  # the kernel works in 16-float vectors of the model and expert widths
 

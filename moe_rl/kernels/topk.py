@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.model.replaceable import implements
 from moe_rl.kernels.native import library as native_library
+from moe_rl.model.replaceable import implements
 
 MAX_K = 64
 

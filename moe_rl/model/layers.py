@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_rl.model.replaceable import replaceable
 from moe_rl.model.config import ModelConfig
+from moe_rl.model.replaceable import replaceable
 
 
 class RMSNorm(nn.Module):

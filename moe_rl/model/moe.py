@@ -352,7 +352,7 @@ def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) 
 
 class MoEFeedForward(nn.Module):
     """Router + routed experts (+ optional shared expert). A routing session, when one is attached by
-    `moe_rl.routing`, supplies replay ids and observes every decision; otherwise routing is native."""
+    `moe_rl.routing.replay`, supplies replay ids and observes every decision; otherwise routing is native."""
 
     def __init__(self, cfg: ModelConfig, moe_index: int):
         super().__init__()
@@ -360,7 +360,7 @@ class MoEFeedForward(nn.Module):
         self.router = Router(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.dispatch)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.d_shared_expert) if cfg.d_shared_expert else None
-        self.routing_session = None  # set only inside a moe_rl.routing session
+        self.routing_session = None  # set only inside a moe_rl.routing.replay session
         self.computes_z_loss = cfg.z_loss_coef != 0  # at coefficient 0 it would add only zeros: not computed
 
     @property

@@ -15,7 +15,7 @@ held-out evaluation) runs inside `sampler_numerics(model, device, precision)`:
 an engine's per-tensor-scaled fp8 weights; embeddings, norms, router gates, dense FFNs and the LM head stay bf16.)
 
 `exact` samples like `trainer`; the trainer then replaces the sampler's log-probs and routing by its own old pass's
-(moe_rl.trainer, docs/design.md section 8), so the two are equal bit for bit by construction: the control arm.
+(moe_rl.rl.trainer, docs/design.md section 8), so the two are equal bit for bit by construction: the control arm.
 
 A router inside an emulated engine rounds its input and gate weight to the engine's dtype and produces logits of
 that dtype (softmax and top-k then in fp32 of those logits), as an engine's gate does, so near-tied router decisions
@@ -28,7 +28,7 @@ Why not torch's bf16 kernels: on a CPU without bf16 instructions they convert an
 which made the bf16 sampler about 3x slower (rollouts) and 4x slower (held-out evaluation) than this, measured in
 process time on a 2-core AMD EPYC with AVX2 in the length-generalisation regime. The fp32 products run through the
 model's own fp32 kernels. They sum in another order than torch's bf16 kernels, so the two round to different bf16
-values in about 1 of 2,000-20,000 outputs, by one bf16 ulp (tests/test_precision.py); runs with a bf16 sampler made
+values in about 1 of 2,000-20,000 outputs, by one bf16 ulp (tests/model/test_precision.py); runs with a bf16 sampler made
 before this change (moe-rl 2026-12-01, the correction and length-generalisation studies) used torch's kernels.
 """
 
@@ -56,7 +56,7 @@ def engine_router_dtype() -> torch.dtype | None:
 
 def trainer_autocast(device: torch.device):
     """The trainer's numerics, layers.autocast_context's rule (bf16 autocast on GPU, none on CPU), restated here
-    because layers imports this module (tests/test_precision.py checks the two agree)."""
+    because layers imports this module (tests/model/test_precision.py checks the two agree)."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -8,10 +8,9 @@
 To add an objective: a new file with a function decorated by `@register_objective(...)`, imported below.
 """
 
-from moe_rl.objectives.registry import OBJECTIVES, ObjectiveSpec, get_objective, objective_names, register_objective
-from moe_rl.objectives.config import ObjectiveConfig
-
 # Importing each file registers its objective.
 from moe_rl.objectives import cispo, dapo, dr_grpo, gmpo, grpo, gspo, gspo_token  # noqa: F401
+from moe_rl.objectives.config import ObjectiveConfig
+from moe_rl.objectives.registry import OBJECTIVES, ObjectiveSpec, get_objective, objective_names, register_objective
 
 __all__ = ["OBJECTIVES", "ObjectiveConfig", "ObjectiveSpec", "get_objective", "objective_names", "register_objective"]

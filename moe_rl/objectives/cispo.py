@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import masked_mean
 from moe_rl.objectives.common import at_least_float32, clip_metrics, finish, prepare, ratio_metrics
 from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.masked import masked_mean
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (None, 5.0)

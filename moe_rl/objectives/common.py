@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import as_bool_mask, masked_log_ratio, masked_max, masked_mean, masked_min, nonempty_sequences
 from moe_rl.objectives.config import resolve_clip
+from moe_rl.objectives.masked import (
+    as_bool_mask,
+    masked_log_ratio,
+    masked_max,
+    masked_mean,
+    masked_min,
+    nonempty_sequences,
+)
 
 
 def prepare(

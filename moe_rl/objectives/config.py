@@ -7,7 +7,7 @@ from typing import Literal
 
 from moe_rl.errors import ConfigError, check_positive
 
-# The built-in objectives, so that --help lists them; tests/test_cli_errors.py checks this equals the registry.
+# The built-in objectives, so that --help lists them; tests/commands/test_cli_errors.py checks this equals the registry.
 ObjectiveName = Literal["grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gmpo"]
 from moe_rl.objectives.registry import get_objective
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import masked_mean
 from moe_rl.objectives.common import finish, token_clipped_terms
 from moe_rl.objectives.config import ObjectiveConfig
+from moe_rl.objectives.masked import masked_mean
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (0.2, 0.28)

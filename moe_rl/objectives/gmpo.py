@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import masked_mean, nonempty_sequences, sequence_log_ratio
 from moe_rl.objectives.common import clip_metrics, finish, prepare, ratio_metrics, sequence_advantages
 from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.masked import masked_mean, nonempty_sequences, sequence_log_ratio
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (0.4, 0.4)

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import masked_mean, nonempty_sequences, sequence_log_ratio
-from moe_rl.objectives.common import clip_metrics, finish, ppo_clipped_term, prepare, ratio_metrics
-from moe_rl.objectives.common import sequence_advantages
+from moe_rl.objectives.common import clip_metrics, finish, ppo_clipped_term, prepare, ratio_metrics, sequence_advantages
 from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.masked import masked_mean, nonempty_sequences, sequence_log_ratio
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (3e-4, 4e-4)

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.masked import nonempty_sequences, sequence_log_ratio
-from moe_rl.objectives.common import clip_metrics, finish, mean_over_sequences, ppo_clipped_term, prepare
-from moe_rl.objectives.common import ratio_metrics
+from moe_rl.objectives.common import clip_metrics, finish, mean_over_sequences, ppo_clipped_term, prepare, ratio_metrics
 from moe_rl.objectives.config import ObjectiveConfig, resolve_clip
+from moe_rl.objectives.masked import nonempty_sequences, sequence_log_ratio
 from moe_rl.objectives.registry import register_objective
 
 DEFAULT_CLIP = (3e-4, 4e-4)

@@ -35,20 +35,28 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
+from moe_rl.rl.overrides import coerce, get_field, parse_assignments, with_overrides
+from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.runlog import config_to_dict
 from moe_rl.sweep.config import SweepConfig
 from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
-from moe_rl.sweep.overrides import coerce, get_field, parse_assignments, with_overrides
 from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
-from moe_rl.sweep.sweepdir import (INDEX_CSV, RUNS, WARMSTART, check_same_grid, planned_action, todo, warmstart_done,
-                                  with_stored_warm_starts)
+from moe_rl.sweep.sweepdir import (
+    INDEX_CSV,
+    RUNS,
+    WARMSTART,
+    check_same_grid,
+    planned_action,
+    todo,
+    warmstart_done,
+    with_stored_warm_starts,
+)
 
 
 def experiment_arguments(fn: Callable, given: Mapping[str, Any]) -> dict[str, Any]:

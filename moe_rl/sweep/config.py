@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from moe_rl.sweep.overrides import Assignments
+from moe_rl.rl.overrides import Assignments
 
 
 @dataclass

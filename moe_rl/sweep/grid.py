@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from moe_rl.config import SFTConfig, TrainConfig
+from moe_rl.rl.run_config import SFTConfig, TrainConfig
 
 Point = dict[str, Any]
 

@@ -30,17 +30,31 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import USER_ERRORS, ConfigError
+from moe_rl.rl.overrides import from_dict
+from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.runs.interrupt import SIGNALS, Interrupted
 from moe_rl.runs.lock import holder
 from moe_rl.runs.progress import duration
 from moe_rl.runs.provenance import utc_now
 from moe_rl.runs.runlog import read_config, read_manifest
-from moe_rl.sweep.overrides import from_dict
-from moe_rl.sweep.sweepdir import (RUNS, WARMSTART, checkpoint_step, clear_diverged, file_lock, job_status, read_record,
-                                   read_sweep, record_path, run_action, store_plan, todo, update_record, warmstart_done,
-                                   write_index)
+from moe_rl.sweep.sweepdir import (
+    RUNS,
+    WARMSTART,
+    checkpoint_step,
+    clear_diverged,
+    file_lock,
+    job_status,
+    read_record,
+    read_sweep,
+    record_path,
+    run_action,
+    store_plan,
+    todo,
+    update_record,
+    warmstart_done,
+    write_index,
+)
 
 if TYPE_CHECKING:
     from moe_rl.sweep.plan import SweepPlan
@@ -76,7 +90,7 @@ def execute_job(sweep_dir: str | os.PathLike, kind: str, name: str, threads: int
 
 
 def _run_job(data: Mapping, name: str, threads: int | None) -> dict[str, Any]:
-    from moe_rl.train import train
+    from moe_rl.commands.train import train
 
     entry = next((r for r in data["runs"] if r["name"] == name), None)
     if entry is None:
@@ -105,7 +119,7 @@ def _run_job(data: Mapping, name: str, threads: int | None) -> dict[str, Any]:
 
 
 def _warmstart_job(data: Mapping, key: str, threads: int | None) -> dict[str, Any]:
-    from moe_rl.sft import sft
+    from moe_rl.commands.sft import sft
 
     cfg = from_dict(SFTConfig, data["warmstarts"][key])
     run_dir = Path(cfg.out_dir)

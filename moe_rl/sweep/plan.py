@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_rl.config import SFTConfig, TrainConfig
 from moe_rl.errors import ConfigError
+from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.runs.runlog import config_to_dict
 from moe_rl.sweep.grid import format_value
 
@@ -95,7 +95,7 @@ class SweepPlan:
 
 
 def _cli_value(value: Any) -> str:
-    """A value as `--set` / `--arg` parse it back (moe_rl.sweep.overrides.coerce)."""
+    """A value as `--set` / `--arg` parse it back (moe_rl.rl.overrides.coerce)."""
     if value is None or isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):

@@ -24,8 +24,8 @@ import pandas as pd
 import submitit
 
 from moe_rl.errors import ConfigError
+from moe_rl.rl.overrides import parse_assignments
 from moe_rl.sweep.jobs import execute_job
-from moe_rl.sweep.overrides import parse_assignments
 from moe_rl.sweep.sweepdir import clear_diverged, read_record, store_plan, todo, update_record, write_index
 
 if TYPE_CHECKING:

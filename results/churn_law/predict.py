@@ -15,7 +15,7 @@ import sys
 
 import pandas as pd
 
-from analysis.scaling import percentile_interval, bootstrap_laws, fit_power_law, held_out_check, set_change_from_slot
+from analysis.scaling import bootstrap_laws, fit_power_law, held_out_check, percentile_interval, set_change_from_slot
 
 LAW_RUNS = "results/churn_repro/tables/per_run_final.csv"
 NEW_RUNS = "results/churn_law/report/tables/per_run_final.csv"

@@ -34,13 +34,13 @@ class HFRouterOutput(NamedTuple):
 
 
 class HFRouterSite:
-    """The routing site of one MoE decoder layer: `routing_session`, `n_experts`, `top_k` for moe_rl.routing."""
+    """The routing site of one MoE decoder layer: `routing_session`, `n_experts`, `top_k` for moe_rl.routing.replay."""
 
     def __init__(self, moe_index: int, layer_index: int, block: nn.Module, router: nn.Module, family):
         self.moe_index = moe_index  # position among MoE layers: the routing trace's layer axis
         self.layer_index = layer_index  # position among all decoder layers
         self.block, self.router, self.family = block, router, family
-        self.routing_session = None  # set only inside a moe_rl.routing session
+        self.routing_session = None  # set only inside a moe_rl.routing.replay session
         self.shape_BS: tuple[int, int] | None = None  # (B, S) of the HFMoEModel forward in progress
         self.calls = 0  # router calls in the forward in progress
         self.last: HFRouterOutput | None = None  # with grad on: this forward's routing, for the auxiliary losses

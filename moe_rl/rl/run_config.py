@@ -1,0 +1,255 @@
+"""Run configs: one dataclass per concern, nested into `TrainConfig` (RL) and `SFTConfig` (warm start).
+
+tyro turns the docstring under each field into `--help`, so this file is the reference for every knob.
+Validation happens at construction; a bad value names its field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from moe_rl.errors import ConfigError, check_choice, check_finite_fields, check_positive
+from moe_rl.model import ModelConfig
+from moe_rl.objectives import ObjectiveConfig, get_objective
+from moe_rl.rl.correction import CorrectionConfig
+from moe_rl.rl.distributed import PARALLEL_MODES
+from moe_rl.rl.probes import ProbeConfig
+from moe_rl.rl.rollout import SamplingConfig
+from moe_rl.routing.replay import ReplayConfig
+from moe_rl.tasks import TaskConfig
+
+RoutingMode = Literal["native", "R2", "R3"]
+Device = Literal["auto", "cpu", "cuda"]
+TrackerName = Literal["tensorboard", "wandb"]
+ROUTING_MODES, DEVICES = get_args(RoutingMode), get_args(Device)
+
+
+def check_numbers(config) -> None:
+    """What every command's config passes before anything else: no NaN or Inf in any float field (each named by its
+    dotted path), and a rotary base > 0 (theta = 0 gives NaN angles, reported much later as a divergence)."""
+    check_finite_fields(config)
+    check_positive("model.rope_theta", config.model.rope_theta)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup to a constant learning rate, and gradient-norm clipping."""
+
+    lr: float = 5e-5
+    """Peak learning rate. 5e-5 keeps the CPU models' policy intact (1e-4 and above lost 0.1 held-out reward within
+    10 rollout steps from a warm start in the objective_comparison search; 1e-3 wrecks it)."""
+    warmup_steps: int = 10
+    """Optimizer steps of linear warmup from 0 to lr; constant afterwards."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class RolloutConfig:
+    """How many completions each rollout step samples, and how."""
+
+    prompts_per_step: int = 16
+    """Prompts per rollout step (B); the rollout batch holds B x G completions."""
+    group_size: int = 8
+    """Completions per prompt (G), the group whose rewards normalise the advantage."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_positive("prompts_per_step", self.prompts_per_step)
+        if self.group_size < 2:
+            raise ConfigError(f"group_size={self.group_size} must be >= 2: group-normalised advantages need a group")
+
+
+@dataclass
+class WandbConfig:
+    """Where `--log.trackers wandb` puts the run; a resumed run continues the same W&B run (its id is kept in
+    manifest.json)."""
+
+    project: str = "moe-rl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None = your default entity."""
+    group: str | None = None
+    """W&B group; `moe-rl sweep` sets it to the sweep's name, so a sweep's runs show together."""
+
+
+@dataclass
+class LogConfig:
+    """What is written to the run directory besides metrics.jsonl."""
+
+    samples_every: int = 10
+    """Write prompts, completions and rewards to samples/ every n-th rollout step; 0 disables."""
+    samples_per_step: int = 16
+    """How many completions each samples/ table keeps."""
+    eval_every: int = 0
+    """Evaluate mean reward on the held-out split every n-th rollout step (and at the end); 0 disables."""
+    eval_prompts: int = 64
+    """Held-out prompts per evaluation (sampled at the training temperature, and greedily)."""
+    eval_samples: int = 1
+    """Sampled completions per held-out prompt for eval/reward; its SE counts prompts, not samples."""
+    eval_greedy: bool = True
+    """Also log greedy (argmax) accuracy on the same prompts, eval/greedy (one more decode per evaluation)."""
+    trackers: tuple[TrackerName, ...] = ()
+    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("samples_every", "samples_per_step", "eval_every"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("eval_prompts", self.eval_prompts)
+        check_positive("eval_samples", self.eval_samples)
+        for tracker in self.trackers:
+            check_choice("trackers", tracker, ("tensorboard", "wandb"))
+
+
+@dataclass
+class TrainConfig:
+    """One RL run: a task with verifiable rewards, an objective and a routing mode on the native MoE model."""
+
+    out_dir: str | None = None
+    """Run directory (config.json, manifest.json, metrics.jsonl, routing/, samples/, checkpoints/); None = a new
+    runs/<UTC time>-<objective>-<routing mode>."""
+    seed: int = 0
+    """Seeds model init (without init_from), sampling, minibatch shuffling and probe subsampling."""
+    total_steps: int = 50
+    """Rollout steps; each makes `minibatches` optimizer steps."""
+    minibatches: int = 4
+    """Optimizer steps per rollout batch; the paper's 4 makes 3 of 4 updates off-policy."""
+    routing_mode: RoutingMode = "native"
+    """native: routers choose freely; R2: replay the old pass's routing in every update; R3: replay the
+    sampler's routing in the old pass and in every update."""
+    kl_coef: float = 0.0
+    """Coefficient of a k3 KL penalty to the frozen initial policy (0 = none, the paper's default)."""
+    init_from: str | None = None
+    """Checkpoint to start from (e.g. the SFT warm start, runs/sft/checkpoints/latest.pt); None = random init."""
+    resume: bool = False
+    """Continue the run in out_dir from its latest checkpoint. A run that saved no checkpoint starts over, with or
+    without --resume (unless it finished or diverged)."""
+    resume_from: str | None = None
+    """Continue the run from one of its own kept checkpoints (out_dir/checkpoints/step_XXXXXX.pt) instead of
+    latest.pt, e.g. after latest.pt was deleted; out_dir defaults to the run holding it. Refused while a newer
+    checkpoint is in the directory."""
+    checkpoint_every: int = 25
+    """Save checkpoints/latest.pt every n rollout steps (and at the end)."""
+    keep_every: int | None = None
+    """Also keep a copy checkpoints/step_XXXXXX.pt every n rollout steps; None keeps only the latest."""
+    device: Device = "auto"
+    """auto (cuda if available), cpu or cuda. On cuda the model runs under bf16 autocast; on cpu in fp32."""
+    threads: int = 1
+    """torch CPU threads; 1 is fastest for tiny models on small machines (README, "Threads")."""
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """Under torchrun: 'ddp' replicates the model on every rank; 'fsdp2' shards parameters, gradients and optimizer
+    state over the ranks (fully_shard per decoder block). No effect in a single process."""
+    quiet: bool = False
+    """Print no progress line per rollout step (a divergence is still reported)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("parallel", self.parallel, PARALLEL_MODES)
+        for name in ("total_steps", "minibatches", "checkpoint_every", "threads"):
+            check_positive(name, getattr(self, name))
+        check_positive("kl_coef", self.kl_coef, allow_zero=True)
+        if self.keep_every is not None:
+            check_positive("keep_every", self.keep_every)
+        rollout_rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if rollout_rows % self.minibatches:
+            raise ConfigError(
+                f"minibatches={self.minibatches} must divide the rollout batch "
+                f"prompts_per_step x group_size = {rollout_rows}"
+            )
+
+    def check_data_parallel(self, ranks: int) -> None:
+        """Refuse a rollout that does not split evenly over `ranks` data-parallel ranks (torchrun processes)."""
+        if self.rollout.prompts_per_step % ranks:
+            raise ConfigError(
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by the number of "
+                f"data-parallel ranks ({ranks}): every rank samples an equal share of each step's prompts"
+            )
+        if self.parallel == "fsdp2" and ranks > 1 and get_objective(self.objective.name).drop_zero_std_groups:
+            raise ConfigError(
+                f"objective.name={self.objective.name!r} drops groups, so ranks can be left with fewer minibatches "
+                "than others; under parallel='fsdp2' every rank must run the same forwards. Use parallel='ddp'"
+            )
+        rank_rows = self.rollout.prompts_per_step // ranks * self.rollout.group_size
+        if rank_rows % self.minibatches:
+            raise ConfigError(
+                f"minibatches={self.minibatches} must divide each rank's rollout rows "
+                f"prompts_per_step / ranks x group_size = {rank_rows} ({ranks} ranks)"
+            )
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on task solutions, so RL begins from a policy with partial success."""
+
+    out_dir: str | None = None
+    """Run directory; the RL run loads out_dir/checkpoints/latest.pt through --init-from. None = a new
+    runs/<UTC time>-sft."""
+    seed: int = 0
+    """Seeds model init and batch order."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Problems per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, linear warmup then cosine decay to 10%)."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    eval_every: int = 50
+    """Measure sampled reward on held-out prompts every n steps (and at the end)."""
+    eval_prompts: int = 128
+    """Held-out prompts per evaluation."""
+    device: Device = "auto"
+    """auto, cpu or cuda."""
+    threads: int = 1
+    """torch CPU threads."""
+    print_every: int = 10
+    """Print a progress line every n steps (and at the end)."""
+    quiet: bool = False
+    """Print no progress lines (a divergence is still reported)."""
+    trackers: tuple[TrackerName, ...] = ()
+    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_numbers(self)
+        check_choice("device", self.device, DEVICES)
+        for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads", "print_every"):
+            check_positive(name, getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
