@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, no_kernels, write_csv
+from moe_rl import kernels
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.moe import Experts
 from moe_rl.rl.rollout import SamplingConfig, generate
@@ -91,8 +92,8 @@ def bench_fwd_bwd(name: str, repeat: int) -> list[dict]:
     cfg = ModelConfig(**kwargs)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    native = MoETransformer(cfg)
-    loop = MoETransformer(ModelConfig(**{**kwargs, "dispatch": "loop"}))
+    native = MoETransformer(cfg, kernels=kernels.machine())
+    loop = MoETransformer(ModelConfig(**{**kwargs, "dispatch": "loop"}), kernels=kernels.machine())
     loop.load_state_dict(native.state_dict())
     times = interleaved({"native": native_step(native, ids), "native, no kernels": without_kernels(native_step(native, ids)),
                          "native loop": native_step(loop, ids), "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
@@ -105,7 +106,7 @@ def bench_sampler(name: str, repeat: int, batch=64, prompt_len=16, new_tokens=64
 
     cfg = ModelConfig(**SHAPES[name][0])
     torch.manual_seed(0)
-    native = MoETransformer(cfg).eval()
+    native = MoETransformer(cfg, kernels=kernels.machine()).eval()
     hf = hf_qwen3_moe(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len))
     valid = torch.ones_like(ids, dtype=torch.bool)
@@ -143,7 +144,7 @@ def bench_experts(name: str, repeat: int, tokens: int = 1024) -> list[dict]:
     for kernel in EXPERT_KERNELS:
         module = copy.deepcopy(experts)
         module.dispatch = kernel
-        fns[kernel] = lambda m=module: m(x_TD, weights_TK, ids_TK).sum().backward()
+        fns[kernel] = lambda m=module: m(x_TD, weights_TK, ids_TK, kernels.machine()).sum().backward()
     fns["grouped, no kernels"] = without_kernels(fns["grouped"])
     a_ND = torch.randn(tokens * K, D, requires_grad=True)
     w1 = torch.randn(D, 2 * F, requires_grad=True)

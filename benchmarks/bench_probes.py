@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import bench_folder
+from moe_rl import kernels
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.rl.policy import policy_forward
 from moe_rl.rl.probes import ProbeConfig, Prober
@@ -77,7 +78,7 @@ def interleaved_medians(fns: dict, repeat: int) -> dict[str, float]:
 
 def bench(model_cfg: ModelConfig, rows: int, minibatches: int, new_tokens: int, repeat: int) -> dict:
     torch.manual_seed(0)
-    model = MoETransformer(model_cfg)
+    model = MoETransformer(model_cfg, kernels=kernels.machine())
     batch = rollout_batch(model, rows, new_tokens)
     chunks = list(torch.arange(rows).tensor_split(minibatches))
     minibatch = batch.rows(chunks[0])

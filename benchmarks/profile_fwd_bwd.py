@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_model import SHAPES, hf_qwen3_moe, hf_step, native_step
 from benchmarks.timing import bench_folder, kernels_lines
+from moe_rl import kernels
 from moe_rl.model import ModelConfig, MoETransformer
 
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ModelConfig(**kwargs)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    tables = self_times({"native": native_step(MoETransformer(cfg), ids),
+    tables = self_times({"native": native_step(MoETransformer(cfg, kernels=kernels.machine()), ids),
                          "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, args.steps)
     out = args.out or Path("results/bench") / bench_folder()
     out.mkdir(parents=True, exist_ok=True)

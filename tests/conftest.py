@@ -22,8 +22,11 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def tiny_model(seed: int = 0, **overrides) -> MoETransformer:
+    """A tiny native model with this machine's kernels, as moe_rl/rl/build.py builds every model."""
+    from moe_rl import kernels
+
     torch.manual_seed(seed)
-    return MoETransformer(tiny_config(**overrides))
+    return MoETransformer(tiny_config(**overrides), kernels=kernels.machine())
 
 
 @pytest.fixture(autouse=True)
@@ -103,19 +106,21 @@ def switch_kernels_off(monkeypatch) -> None:
 
 
 def spy_kernel(monkeypatch, op: str) -> list:
-    """A list that gets one entry per call the fast implementation of `op` served (moe_rl.model.replaceable)."""
-    import moe_rl.kernels  # noqa: F401  (registers the implementations)
-    from moe_rl.model import replaceable
+    """A list that gets one entry per call the fast implementation of `op` served (moe_rl/kernels/registry.py)."""
+    import functools
 
-    fast, served = replaceable._FAST[op], []
+    from moe_rl.kernels.registry import IMPLEMENTATIONS
 
+    fast, served = IMPLEMENTATIONS[op], []
+
+    @functools.wraps(fast)  # keeps its signature: the kernel set hands itself to those that take `kernels`
     def counted(*args, **kwargs):
         out = fast(*args, **kwargs)
         if out is not NotImplemented:
             served.append(1)
         return out
 
-    monkeypatch.setitem(replaceable._FAST, op, counted)
+    monkeypatch.setitem(IMPLEMENTATIONS, op, counted)
     return served
 
 

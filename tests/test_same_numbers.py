@@ -70,12 +70,13 @@ def kernels_all(on: bool):
     return kernels.forced(**{family: on for family in kernels.FAMILIES})
 
 
-def model_digest(name: str) -> str:
+def model_digest(name: str, kernels_on: bool) -> str:
+    from moe_rl import kernels
     from moe_rl.model import ModelConfig, MoETransformer
 
     kwargs, batch, seq = BENCH_MODELS[name]
     torch.manual_seed(0)
-    model = MoETransformer(ModelConfig(**kwargs))
+    model = MoETransformer(ModelConfig(**kwargs), kernels=kernels.machine() if kernels_on else None)
     ids = torch.randint(0, kwargs["vocab_size"], (batch, seq))
     out = model(ids)
     (out.logits_BSV.logsumexp(-1).mean() + out.aux_loss).backward()
@@ -102,7 +103,7 @@ def all_digests(tmp: Path) -> dict[str, str]:
     for on in (True, False):
         with kernels_all(on):
             for name in BENCH_MODELS:
-                out[f"model {name}, kernels {'on' if on else 'off'}"] = model_digest(name)
+                out[f"model {name}, kernels {'on' if on else 'off'}"] = model_digest(name, on)
     with kernels_all(True):
         for name in RL_RUNS:
             out[f"rl {name}"] = rl_digest(name, tmp / name.replace(" ", "_"))

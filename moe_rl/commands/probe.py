@@ -47,13 +47,13 @@ from moe_rl.rl.run_config import (
     LogConfig,
     OptimConfig,
     RolloutConfig,
-    RoutingMode,
     TrainConfig,
     check_numbers,
 )
 from moe_rl.rl.trainer import Trainer
 from moe_rl.routing.engine_traces import compare_with_model
 from moe_rl.routing.margins import LOW_MARGIN_QUANTILE, MARGIN_THRESHOLDS, margin_churn, record_margins
+from moe_rl.routing.mode import ModeName
 from moe_rl.routing.trace import RoutingTrace
 from moe_rl.runs.checkpoint import load_checkpoint
 from moe_rl.tasks import TaskConfig
@@ -75,7 +75,7 @@ class ProbeCommandConfig:
     """Optimizer steps on minibatches of one rollout batch (the batch must split evenly)."""
     seed: int = 0
     """Seeds sampling and minibatch shuffling (and the model without a checkpoint), as in moe-rl train."""
-    routing_mode: RoutingMode = "native"
+    routing_mode: ModeName = "native"
     """native, R2 or R3 for the updates (as moe-rl train)."""
     tokens: Literal["response", "all"] = "response"
     """Tokens compared: 'response' (positions that score a response or output token) or 'all' (every position;

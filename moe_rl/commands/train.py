@@ -35,6 +35,7 @@ from moe_rl.rl import distributed
 from moe_rl.rl.build import build_model_tokenizer, check_sampler_memory, check_task_fits, resolve_device
 from moe_rl.rl.run_config import TrainConfig
 from moe_rl.rl.trainer import Diverged, Trainer
+from moe_rl.routing.mode import RoutingMode
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
 from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress, rl_step_fields, say
@@ -101,7 +102,7 @@ def check_inputs(cfg: TrainConfig, device: torch.device | None = None) -> dict:
     run's (manifest `inputs`)."""
     check_trackers_installed(cfg.log.trackers)
     cfg.correction.validate()
-    cfg.replay.validate(cfg.routing_mode)
+    RoutingMode.of(cfg.routing_mode, cfg.replay)  # refuses a replay variant the mode has nothing to apply to
     tokenizer = build_model_tokenizer(cfg.model)
     task = build_task(cfg.task, tokenizer)
     check_task_fits(cfg.model, tokenizer, task, cfg.rollout.sampling.max_new_tokens)

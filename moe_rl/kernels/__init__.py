@@ -1,7 +1,9 @@
 """Fast paths for the model's hot spots, behind one seam.
 
 moe_rl/model/ holds the math in plain torch; a step a kernel may do faster is a function there marked
-`@replaceable(family)` (moe_rl/model/replaceable.py), and this package holds the kernels that stand in for them:
+`@replaceable(family)` (moe_rl/model/replaceable.py), and this package holds the kernels that stand in for them.
+A model uses them where it is given a kernel set, `machine()` (as moe_rl/rl/build.py builds every model), and hands
+it down its forward's calls:
 
 | family           | module           | replaces (moe_rl/model/)                         | numbers              |
 |------------------|------------------|--------------------------------------------------|----------------------|
@@ -23,11 +25,19 @@ recorded in every run's manifest and benchmark (`selection.report()`).
 """
 
 from moe_rl.kernels import activation, attention, grouped_gemm, norm, rows, sampler, topk  # noqa: F401  (registers them)
+from moe_rl.kernels.registry import KernelSet
 from moe_rl.kernels.selection import FAMILIES, choices, enabled, forced, report
-from moe_rl.model import replaceable
 from moe_rl.runs.provenance import CPU_FACTS
 
-replaceable.install(enabled)
 CPU_FACTS["kernels"] = report  # every CPU run's manifest records the kernel paths it takes
 
-__all__ = ["FAMILIES", "choices", "enabled", "forced", "report"]
+_MACHINE = KernelSet(enabled)
+
+
+def machine() -> KernelSet:
+    """This machine's kernels: the families its measurement chose (selection.py), which `forced` overrides inside a
+    block (tests, benchmarks, the measurement itself)."""
+    return _MACHINE
+
+
+__all__ = ["FAMILIES", "KernelSet", "choices", "enabled", "forced", "machine", "report"]

@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from moe_rl.kernels.native import library as native_library
 from moe_rl.kernels.native import torch_cpu_function
-from moe_rl.model.replaceable import implements
+from moe_rl.kernels.registry import implements
 
 _LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 1}  # torch's dispatch capability -> the lanes of its float vectors
 _SLEEF_EXP = {16: "Sleef_expf16_u10", 8: "Sleef_expf8_u10"}  # what torch's Vectorized<float>::exp calls

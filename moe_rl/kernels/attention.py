@@ -16,7 +16,7 @@ import math
 import torch
 
 from moe_rl.kernels.native import library as native_library
-from moe_rl.model.replaceable import implements
+from moe_rl.kernels.registry import implements
 
 DECODE_LANES = 16  # positions per vector of the decode kernel: rows of transposed keys are padded to a multiple
 

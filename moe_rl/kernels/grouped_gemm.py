@@ -42,7 +42,7 @@ import torch
 
 from moe_rl.kernels.native import library as native_library
 from moe_rl.kernels.native import torch_cpu_function
-from moe_rl.model.replaceable import family_enabled, implements
+from moe_rl.kernels.registry import KernelSet, implements
 
 _FORWARD, _INPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2  # the products of native_kernels.c's expert_sgemm
 _PRODUCTS = (_FORWARD, _INPUT_GRAD, _WEIGHT_GRAD)
@@ -72,18 +72,19 @@ MKL_MIN_EXPERTS_WITH_GRAD = 32
 
 
 @implements("grouped_mm")
-def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]: torch._grouped_mm's values and gradients,
     on one CPU thread through MKL batch calls (always without autograd; with it, the forward and the two products
-    of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more)."""
+    of the backward, at MKL_MIN_EXPERTS_WITH_GRAD experts or more); the C loop inside where `kernels` has
+    exact_products on."""
     with_grad = torch.is_grad_enabled() and (x_ND.requires_grad or w_EDF.requires_grad)
     if not _serves(x_ND, w_EDF, _PRODUCTS if with_grad else (_FORWARD,)):
         return NotImplemented
     if with_grad:
         if w_EDF.shape[0] < MKL_MIN_EXPERTS_WITH_GRAD:
             return NotImplemented
-        return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E)
-    return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E)
+        return _MKLGroupedMM.apply(x_ND, w_EDF, counts_E, kernels.enabled("exact_products"))
+    return mkl_grouped_mm(x_ND.contiguous(), w_EDF.contiguous(), counts_E, kernels.enabled("exact_products"))
 
 
 @implements("short_block_rows")
@@ -124,10 +125,11 @@ class _MKLGroupedMM(torch.autograd.Function):
     """The grouped product with autograd: the backward's two grouped products as MKL batch calls."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_EDF, counts_E):
+    def forward(ctx, x_ND, w_EDF, counts_E, exact_loop: bool):
         x_ND, w_EDF = x_ND.contiguous(), w_EDF.contiguous()
         ctx.save_for_backward(x_ND, w_EDF, counts_E)
-        return mkl_grouped_mm(x_ND, w_EDF, counts_E)
+        ctx.exact_loop = exact_loop
+        return mkl_grouped_mm(x_ND, w_EDF, counts_E, exact_loop)
 
     @staticmethod
     def backward(ctx, grad_NF):
@@ -135,40 +137,42 @@ class _MKLGroupedMM(torch.autograd.Function):
         grad_NF = grad_NF.contiguous()
         grad_x_ND = None
         if ctx.needs_input_grad[0]:
-            grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E)
-        grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E) if ctx.needs_input_grad[1] else None
-        return grad_x_ND, grad_w_EDF, None
+            grad_x_ND = _input_grad(grad_NF, w_EDF, counts_E, ctx.exact_loop)
+        grad_w_EDF = _weight_grad(x_ND, grad_NF, counts_E, ctx.exact_loop) if ctx.needs_input_grad[1] else None
+        return grad_x_ND, grad_w_EDF, None, None
 
 
-def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def mkl_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
+                   exact_loop: bool = True) -> torch.Tensor:
     """Per expert, (n_e, D) @ (D, F) into the rows of y_NF, in one MKL call. Contiguous fp32 CPU tensors, no
-    autograd; `mkl_available()` must be true."""
+    autograd; `mkl_available()` must be true. `exact_loop`: the C loop takes the group sizes where it gives torch's
+    numbers (exact_plan), where this CPU has it."""
     E, D, F = w_EDF.shape
     y_NF = x_ND.new_empty(x_ND.shape[0], F)
-    _expert_products(_FORWARD, counts_E, D, F, x_ND, w_EDF, y_NF)
+    _expert_products(_FORWARD, counts_E, D, F, x_ND, w_EDF, y_NF, exact_loop)
     return y_NF
 
 
-def _input_grad(grad_NF, w_EDF, counts_E):
+def _input_grad(grad_NF, w_EDF, counts_E, exact_loop: bool):
     """Per expert, (n_e, F) @ (D, F)^T. torch's matmul computes a one-row product against a transposed matrix as a
     matrix-vector product, which rounds differently from the batch call's general product on every CPU seen so far,
     so expert_sgemm leaves the one-slot experts out of the batch (m = 0); torch_group_sizes then finds size 1 and
     _expert_products computes them with torch's product."""
     E, D, F = w_EDF.shape
     grad_ND = grad_NF.new_empty(grad_NF.shape[0], D)
-    _expert_products(_INPUT_GRAD, counts_E, D, F, grad_NF, w_EDF, grad_ND)
+    _expert_products(_INPUT_GRAD, counts_E, D, F, grad_NF, w_EDF, grad_ND, exact_loop)
     return grad_ND
 
 
-def _weight_grad(x_ND, grad_NF, counts_E):
+def _weight_grad(x_ND, grad_NF, counts_E, exact_loop: bool):
     """Per expert, (n_e, D)^T @ (n_e, F); an expert without slots gets zeros (k = 0 with beta = 0)."""
     E, D, F = counts_E.numel(), x_ND.shape[1], grad_NF.shape[1]
     grad_EDF = x_ND.new_empty(E, D, F)
-    _expert_products(_WEIGHT_GRAD, counts_E, D, F, x_ND, grad_NF, grad_EDF)
+    _expert_products(_WEIGHT_GRAD, counts_E, D, F, x_ND, grad_NF, grad_EDF, exact_loop)
     return grad_EDF
 
 
-def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c) -> None:
+def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c, exact_loop: bool = True) -> None:
     """The products of `mode` (native_kernels.c, expert_sgemm, says which): the group sizes where the C loop gives
     torch's numbers (`exact_plan`) in C, the others in one MKL batch call set up in C, and of those the sizes where
     the batch call rounds unlike torch (`torch_group_sizes`) again with torch's product.
@@ -183,7 +187,7 @@ def _expert_products(mode: int, counts_E: torch.Tensor, D: int, F: int, a, b, c)
     if shapes != expected:
         raise ValueError(f"grouped matmul operands of shapes {shapes}, expected {expected}")
     skip_min_rows, skip_max_rows = 1, 0  # an empty range: MKL computes every expert
-    plan = exact_plan(mode, D, F) if family_enabled("exact_products") else None
+    plan = exact_plan(mode, D, F) if exact_loop else None
     if plan is not None:
         left = _exact_products(mode, counts_E, rows, D, F, a, b, c, plan)
         if left == 0:

@@ -21,6 +21,7 @@ context (the first kernel call may come from inside the sampler or a no-grad pas
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -46,9 +47,10 @@ MIN_SAMPLE_S = 0.002  # each timed sample repeats its work until it lasts at lea
 HOSTS = {"exact_products": "mkl_products"}
 
 
-def measure_all(forced) -> dict[str, dict]:
+def measure_all(forced, kernels) -> dict[str, dict]:
     """family -> {"used", "why", "fast_s", "reference_s"}; `forced(**families)` is selection.forced, the context
-    that turns families on and off."""
+    that turns families on and off, and `kernels` the kernel set that follows it (registry.KernelSet), which every
+    workload hands to the model's functions."""
     chosen: dict[str, dict] = {}
     off = {family: False for family in _PLANS}
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), \
@@ -61,7 +63,7 @@ def measure_all(forced) -> dict[str, dict]:
             others = {**off, **{name: choice["used"] for name, choice in chosen.items()}}
             if family in HOSTS:
                 others[HOSTS[family]] = True
-            served = [work for work in workloads() if _served(forced, family, work, others)]
+            served = [work for work in workloads(kernels) if _served(forced, family, work, others)]
             if not served:
                 chosen[family] = {"used": False, "why": "serves none of the measured shapes"}
                 continue
@@ -84,16 +86,18 @@ def _served(forced, family: str, work: Callable[[], object], others: dict[str, b
     implementation declines (NotImplemented: MKL's batch call with autograd below MKL_MIN_EXPERTS_WITH_GRAD experts)
     would time the reference against itself, and its noise would vote: one such workload at 1.46x outvoted the
     others on a Zen 4. A family without registered implementations counts as served everywhere."""
-    from moe_rl.model import replaceable
+    from moe_rl.kernels.registry import IMPLEMENTATIONS
+    from moe_rl.model.replaceable import REPLACEABLE
 
     owner = HOSTS.get(family, family)
-    names = [name for name, of in replaceable._FAMILY_OF.items() if of == owner and name in replaceable._FAST]
+    names = [name for name, of in REPLACEABLE.items() if of == owner and name in IMPLEMENTATIONS]
     if not names:
         return True
     reached: list[bool] = []
-    originals = {name: replaceable._FAST[name] for name in names}
+    originals = {name: IMPLEMENTATIONS[name] for name in names}
 
     def recording(fast):
+        @functools.wraps(fast)  # keeps its signature: the kernel set hands itself to those that take `kernels`
         def recorded(*args, **kwargs):
             out = fast(*args, **kwargs)
             reached.append(out is not NotImplemented)
@@ -101,11 +105,11 @@ def _served(forced, family: str, work: Callable[[], object], others: dict[str, b
         return recorded
 
     try:
-        replaceable._FAST.update({name: recording(fast) for name, fast in originals.items()})
+        IMPLEMENTATIONS.update({name: recording(fast) for name, fast in originals.items()})
         with forced(**{**others, family: True}):
             work()
     finally:
-        replaceable._FAST.update(originals)
+        IMPLEMENTATIONS.update(originals)
     return any(reached)
 
 
@@ -152,23 +156,23 @@ def _routing(tokens, experts, top_k, **_):
     return scores_TE, scores_TE.topk(top_k, dim=-1).indices
 
 
-def _topk_workloads():
+def _topk_workloads(kernels):
     from moe_rl.model.moe import topk_indices
 
     work = []
     for shape in (PAPER, SMALL):
         scores_TE, _ = _routing(**shape)
-        work.append(lambda s=scores_TE, k=shape["top_k"]: topk_indices(s, k))
+        work.append(lambda s=scores_TE, k=shape["top_k"]: topk_indices(s, k, kernels=kernels))
     return work
 
 
-def _slots_workloads():
+def _slots_workloads(kernels):
     from moe_rl.model.moe import sort_slots
 
-    return [lambda ids=_routing(**shape)[1], e=shape["experts"]: sort_slots(ids, e) for shape in (PAPER, SMALL)]
+    return [lambda ids=_routing(**shape)[1], e=shape["experts"]: sort_slots(ids, e, kernels=kernels) for shape in (PAPER, SMALL)]
 
 
-def _rows_workloads():
+def _rows_workloads(kernels):
     from moe_rl.model.moe import combine_rows, combine_weighted_rows, expert_rows, sort_slots
 
     work = []
@@ -180,22 +184,22 @@ def _rows_workloads():
 
         def no_grad(x_TD=x_TD, weights_TK=weights_TK, slots=slots):
             with torch.no_grad():
-                rows = expert_rows(x_TD, weights_TK, slots)
-                combine_rows(rows.x_RD, rows.token_R, x_TD.shape[0])
-                combine_weighted_rows(rows.x_RD, rows.weight_R, rows.token_R, x_TD.shape[0])
+                rows = expert_rows(x_TD, weights_TK, slots, kernels=kernels)
+                combine_rows(rows.x_RD, rows.token_R, x_TD.shape[0], kernels=kernels)
+                combine_weighted_rows(rows.x_RD, rows.weight_R, rows.token_R, x_TD.shape[0], kernels=kernels)
 
         def with_grad(x_TD=x_TD, weights_TK=weights_TK, slots=slots):
             x, weights = x_TD.clone().requires_grad_(), weights_TK.clone().requires_grad_()
-            rows = expert_rows(x, weights, slots)
+            rows = expert_rows(x, weights, slots, kernels=kernels)
             y_RD = rows.x_RD * 2
-            (combine_rows(y_RD, rows.token_R, x.shape[0])
-             + combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, x.shape[0])).backward(x_TD)
+            (combine_rows(y_RD, rows.token_R, x.shape[0], kernels=kernels)
+             + combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, x.shape[0], kernels=kernels)).backward(x_TD)
 
         work += [no_grad, with_grad]
     return work
 
 
-def _products_workloads():
+def _products_workloads(kernels):
     from moe_rl.model.moe import grouped_mm, sort_slots
 
     work = []
@@ -208,19 +212,19 @@ def _products_workloads():
 
         def no_grad(x_ND=x_ND, w_EDF=w_EDF, counts_E=counts_E):
             with torch.no_grad():
-                grouped_mm(x_ND, w_EDF, counts_E)
+                grouped_mm(x_ND, w_EDF, counts_E, kernels=kernels)
 
         grad_NF = torch.randn(N, 2 * F, generator=_generator(4))
 
         def with_grad(x_ND=x_ND, w_EDF=w_EDF, counts_E=counts_E, grad_NF=grad_NF):
             x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
-            grouped_mm(x, w, counts_E).backward(grad_NF)
+            grouped_mm(x, w, counts_E, kernels=kernels).backward(grad_NF)
 
         work += [no_grad, with_grad]
     return work
 
 
-def _swiglu_workloads():
+def _swiglu_workloads(kernels):
     """The activation of the experts' rows at both shapes (every slot's row: tokens x top-k), without and with
     autograd, as the experts call it there: times the gate weights at the paper shape (expert width < d_model)."""
     from moe_rl.model.moe import swiglu, weighted_swiglu
@@ -233,17 +237,17 @@ def _swiglu_workloads():
         weight_N = torch.rand(N, generator=_generator(14))
         if F < shape["d_model"]:
             def no_grad(gate_up_N2F=gate_up_N2F, weight_N=weight_N):
-                weighted_swiglu(gate_up_N2F, weight_N)
+                weighted_swiglu(gate_up_N2F, weight_N, kernels=kernels)
 
             def with_grad(gate_up_N2F=gate_up_N2F, weight_N=weight_N, grad_NF=grad_NF):
-                weighted_swiglu(gate_up_N2F.clone().requires_grad_(), weight_N.clone().requires_grad_()).backward(
-                    grad_NF)
+                weighted_swiglu(gate_up_N2F.clone().requires_grad_(), weight_N.clone().requires_grad_(),
+                                kernels=kernels).backward(grad_NF)
         else:
             def no_grad(gate_up_N2F=gate_up_N2F):
-                swiglu(gate_up_N2F)
+                swiglu(gate_up_N2F, kernels=kernels)
 
             def with_grad(gate_up_N2F=gate_up_N2F, grad_NF=grad_NF):
-                swiglu(gate_up_N2F.clone().requires_grad_()).backward(grad_NF)
+                swiglu(gate_up_N2F.clone().requires_grad_(), kernels=kernels).backward(grad_NF)
 
         work += [no_grad, with_grad]
     return work
@@ -261,7 +265,7 @@ def _swiglu_missing() -> str | None:
     return None
 
 
-def _rotary_workloads():
+def _rotary_workloads(kernels):
     from moe_rl.model.layers import Rotary, apply_rotary
 
     x_BSHDh = torch.randn(32, 22, 4, 16, generator=_generator(4))
@@ -269,12 +273,12 @@ def _rotary_workloads():
 
     def with_grad():
         x = x_BSHDh.clone().requires_grad_()
-        apply_rotary(x, cos, sin).backward(x_BSHDh)
+        apply_rotary(x, cos, sin, kernels=kernels).backward(x_BSHDh)
 
-    return [lambda: apply_rotary(x_BSHDh, cos, sin), with_grad]
+    return [lambda: apply_rotary(x_BSHDh, cos, sin, kernels=kernels), with_grad]
 
 
-def _rms_norm_workloads():
+def _rms_norm_workloads(kernels):
     """A norm's forward+backward over a minibatch's activations at both shapes' width (the family serves autograd
     only)."""
     from moe_rl.model.layers import rms_norm
@@ -286,13 +290,14 @@ def _rms_norm_workloads():
         grad_TD = torch.randn(shape["tokens"], shape["d_model"], generator=_generator(13))
 
         def with_grad(x_TD=x_TD, weight_D=weight_D, grad_TD=grad_TD):
-            rms_norm(x_TD.clone().requires_grad_(), weight_D.clone().requires_grad_(), 1e-6).backward(grad_TD)
+            rms_norm(x_TD.clone().requires_grad_(), weight_D.clone().requires_grad_(), 1e-6,
+                     kernels=kernels).backward(grad_TD)
 
         work.append(with_grad)
     return work
 
 
-def _sampler_experts_workloads():
+def _sampler_experts_workloads(kernels):
     """The sampler's experts call at a decode step (64 rows, one token each, inference mode), at both shapes.
 
     Timed alone rather than inside a decode loop: in the loops (below) the attention, router and norms, the same in
@@ -314,13 +319,13 @@ def _sampler_experts_workloads():
 
         def decode_step(x_TD=x_TD, weights_TK=weights_TK, slots=slots, w_gate_up=w_gate_up, w_down=w_down):
             with torch.inference_mode():
-                routed_experts(x_TD, weights_TK, slots, w_gate_up, w_down)
+                routed_experts(x_TD, weights_TK, slots, w_gate_up, w_down, kernels=kernels)
 
         work.append(decode_step)
     return work
 
 
-def _sampler_workloads():
+def _sampler_workloads(kernels):
     """Decode loops as the sampler runs them (inference mode, a KV cache made there, one token per step)."""
     from moe_rl.model import ModelConfig, MoETransformer
 
@@ -329,7 +334,7 @@ def _sampler_workloads():
         cfg = ModelConfig(vocab_size=99, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
                           n_experts=experts, top_k=top_k, d_expert=d_expert)
         torch.manual_seed(0)  # inside fork_rng: the caller's RNG state is restored afterwards
-        model = MoETransformer(cfg).eval()
+        model = MoETransformer(cfg, kernels=kernels).eval()
         prompts_BP = torch.randint(1, 99, (64, 16), generator=_generator(5))
         work.append(lambda model=model, prompts_BP=prompts_BP: _decode(model, prompts_BP, new_tokens=24))
     return work

@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from moe_rl.kernels.native import library as native_library
-from moe_rl.model.replaceable import implements
+from moe_rl.kernels.registry import implements
 
 _FORWARD, _PRODUCTS, _INPUT_GRAD = 0, 1, 2  # rms_norm_rows' modes
 

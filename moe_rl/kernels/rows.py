@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.registry import implements
 from moe_rl.model.moe import ExpertRows, SlotLayout
-from moe_rl.model.replaceable import implements
 
 
 def fp32_cpu(*tensors: torch.Tensor) -> bool:

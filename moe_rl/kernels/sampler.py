@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from moe_rl.kernels.native import library as native_library
+from moe_rl.kernels.registry import implements
 from moe_rl.model.moe import SlotLayout
-from moe_rl.model.replaceable import implements
 
 LANES = 16  # the kernel works in 16-float vectors of the model and expert widths
 

@@ -41,6 +41,7 @@ import torch
 
 import moe_rl.kernels.native as native
 from moe_rl.kernels.measure import measure_all
+from moe_rl.kernels.registry import KernelSet
 
 FAMILIES = {
     "topk": "the router's top-k (C selection; torch.topk's indices)",
@@ -146,7 +147,7 @@ def _measured_or_cached() -> dict[str, dict]:
 def measured_noting_others() -> tuple[dict[str, dict], float | None]:
     """measure_all's choice, and the cores other processes kept busy on average meanwhile (None without
     /proc/stat)."""
-    return _others_busy_cores(lambda: measure_all(forced))
+    return _others_busy_cores(lambda: measure_all(forced, KernelSet(enabled)))
 
 
 def machine_idle() -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.kernels.native import library as native_library
-from moe_rl.model.replaceable import implements
+from moe_rl.kernels.registry import implements
 
 MAX_K = 64
 

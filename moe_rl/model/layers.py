@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.replaceable import replaceable
+from moe_rl.model.replaceable import Kernels, replaceable
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64):  # no casts (this runs twice per layer per decode step)
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, kernels=kernels)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).type_as(x)
 
 
@@ -138,17 +138,18 @@ class Attention(nn.Module):
         self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x_BSD, cos, sin, mask_B1SP, cache: KVCache | None = None):
+    def forward(self, x_BSD, cos, sin, mask_B1SP, cache: KVCache | None = None, kernels: Kernels | None = None):
         B, S, _ = x_BSD.shape
         q = self.q(x_BSD).view(B, S, self.n_heads, self.head_dim)
         kv = self.kv(x_BSD).view(B, S, 2, self.n_kv_heads, self.head_dim)
         k, v = kv.unbind(2)
-        q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)  # (B, H, S, Dh)
+        q = apply_rotary(q, cos, sin, kernels=kernels).transpose(1, 2)  # (B, H, S, Dh)
+        k = apply_rotary(k, cos, sin, kernels=kernels).transpose(1, 2)
         v = v.transpose(1, 2)  # (B, Hkv, S, Dh)
         if cache is not None:
             k, v = cache.append(self.layer_index, k, v)  # (B, Hkv, P, Dh)
         if S == 1 and cache is not None:
-            y = decode_attention(q, k, v, mask_B1SP)
+            y = decode_attention(q, k, v, mask_B1SP, kernels=kernels)
         else:
             # mask None means "no padding anywhere": plain causal attention, which has a faster kernel.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SP, is_causal=mask_B1SP is None,
@@ -207,9 +208,6 @@ def autocast_context(device: torch.device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
-
-# The sampler's numerics live in their own module; re-exported here for the model's and the sampler's imports.
-from moe_rl.model.precision import SAMPLER_PRECISIONS, engine_router_dtype, sampler_autocast  # noqa: E402, F401
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:

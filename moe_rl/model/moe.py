@@ -10,6 +10,7 @@ there, and every one but the fp32 sampler's gives these functions' numbers bit f
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -17,9 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_rl.model.config import ModelConfig
-from moe_rl.model.layers import SwiGLU, engine_router_dtype
-from moe_rl.model.precision import use_grouped_product
-from moe_rl.model.replaceable import replaceable
+from moe_rl.model.layers import SwiGLU
+from moe_rl.model.replaceable import Kernels, replaceable
 
 
 class RouterOutput(NamedTuple):
@@ -29,10 +29,20 @@ class RouterOutput(NamedTuple):
     ids_TK: torch.Tensor  # int64 expert ids
     scores_TE: torch.Tensor  # softmax over all experts, fp32 (float64 in a float64 model)
     logits_TE: torch.Tensor  # pre-softmax router logits, fp32 (float64 in a float64 model)
+    native_ids_TK: torch.Tensor | None = None  # margin replay: the router's own top-k in this forward
+    replayed_T: torch.Tensor | None = None  # margin replay: which tokens' decisions were replayed
+
+
+class ReplayInputs(NamedTuple):
+    """What a router uses instead of its own choice (R2, R3 and their variants; docs/design.md section 4)."""
+
+    ids_TK: torch.Tensor  # the expert ids to use
+    weights_TK: torch.Tensor | None = None  # the gate weights to use with them (R3 gate-weight replay), constants
+    margin: float | None = None  # replay only the decisions whose router margin in this forward is below this
 
 
 class Router(nn.Module):
-    """linear -> softmax -> top-k; under replay the ids come from the caller instead of top-k."""
+    """linear -> softmax -> top-k; under replay the ids (and optionally the gate weights) come from the caller."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -40,11 +50,12 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(d_model, n_experts, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, replay_ids_TK: torch.Tensor | None = None) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, replay: ReplayInputs | None = None, kernels: Kernels | None = None,
+                router_dtype: torch.dtype | None = None) -> RouterOutput:
         # The router runs in fp32 even under bf16 autocast: top-k on low-precision scores makes ties
-        # and flips that would show up as spurious churn.
-        # Inside an emulated bf16 engine (layers.sampler_autocast) the gate runs in bf16 like the engine's would.
-        dtype = engine_router_dtype() or accumulation_dtype(x_TD.dtype)
+        # and flips that would show up as spurious churn. Inside an emulated bf16 engine the sampler passes
+        # `router_dtype` (precision.Numerics): the gate then runs in bf16 like the engine's would.
+        dtype = router_dtype or accumulation_dtype(x_TD.dtype)
         if torch.is_autocast_enabled(x_TD.device.type):
             with torch.autocast(device_type=x_TD.device.type, enabled=False):
                 logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
@@ -52,16 +63,34 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
         logits_TE = logits_TE.to(accumulation_dtype(x_TD.dtype))
         scores_TE = logits_TE.softmax(dim=-1)
-        if replay_ids_TK is None:
-            ids_TK = topk_indices(scores_TE, self.top_k)
-        else:
-            ids_TK = replay_ids_TK.long()
+        native_ids_TK = replayed_T = None
+        if replay is None:
+            ids_TK = topk_indices(scores_TE, self.top_k, kernels=kernels)
+        elif replay.margin is None:
+            ids_TK = replay.ids_TK.long()
+        else:  # replay only where the router's own choice is within `margin` of a tie
+            native_ids_TK = topk_indices(scores_TE.detach(), self.top_k, kernels=kernels)
+            replayed_T = topk_margin_T(scores_TE.detach(), self.top_k) < replay.margin
+            ids_TK = torch.where(replayed_T[:, None], replay.ids_TK.long(), native_ids_TK)
         # Gather from the dense scores, never from a post-top-k tensor, so the router keeps its
         # gradient under replay.
         weights_TK = scores_TE.gather(-1, ids_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        return RouterOutput(weights_TK, ids_TK, scores_TE, logits_TE)
+        if replay is not None and replay.weights_TK is not None:
+            # Replayed gate weights are constants: the experts combine with the sampler's weights and the router
+            # gets no gradient through them (only through the auxiliary losses, which read scores_TE).
+            replayed_TK = replay.weights_TK.to(weights_TK.dtype)
+            weights_TK = replayed_TK if replayed_T is None else torch.where(replayed_T[:, None], replayed_TK, weights_TK)
+        return RouterOutput(weights_TK, ids_TK, scores_TE, logits_TE, native_ids_TK, replayed_T)
+
+
+def topk_margin_T(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """score of the k-th minus score of the (k+1)-th expert, per token (+inf when k equals the number of experts)."""
+    if k >= scores_TE.shape[-1]:
+        return torch.full(scores_TE.shape[:1], math.inf, device=scores_TE.device)
+    top_T2 = scores_TE.float().topk(k + 1, dim=-1).values[:, k - 1:]
+    return top_T2[:, 0] - top_T2[:, 1]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,10 +152,10 @@ class ExpertRows(NamedTuple):
 
 @replaceable("rows")
 def expert_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, slots: SlotLayout,
-                block_rows_E: torch.Tensor | None = None) -> ExpertRows:
+                block_rows_E: torch.Tensor | None = None, kernels: Kernels | None = None) -> ExpertRows:
     """The buffer with block_rows_E[e] >= n_e rows for expert e (None: exactly n_e, no padding)."""
     if block_rows_E is None:
-        return ExpertRows(gather_rows(x_TD, slots.token_N), slots.token_N,
+        return ExpertRows(gather_rows(x_TD, slots.token_N, kernels=kernels), slots.token_N,
                           weights_TK.reshape(-1).index_select(0, slots.order_N))
     T, D = x_TD.shape
     block_starts_E = block_rows_E.cumsum(0) - block_rows_E
@@ -135,7 +164,7 @@ def expert_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, slots: SlotLayout,
     token_R = torch.full((n_rows,), T, device=x_TD.device, dtype=torch.long).index_copy(0, rows_N, slots.token_N)
     weight_R = weights_TK.new_zeros(n_rows).index_copy(0, rows_N, weights_TK.reshape(-1)[slots.order_N])
     x_padded_TD = torch.cat([x_TD, x_TD.new_zeros(1, D)])  # padding rows read the zero row T
-    return ExpertRows(gather_rows(x_padded_TD, token_R), token_R, weight_R)
+    return ExpertRows(gather_rows(x_padded_TD, token_R, kernels=kernels), token_R, weight_R)
 
 
 def _buffer_rows(slots: SlotLayout, block_starts_E: torch.Tensor) -> torch.Tensor:
@@ -154,9 +183,9 @@ def combine_rows(y_RD: torch.Tensor, token_R: torch.Tensor, n_tokens: int) -> to
 
 @replaceable("rows")
 def combine_weighted_rows(y_RD: torch.Tensor, weight_R: torch.Tensor, token_R: torch.Tensor,
-                          n_tokens: int) -> torch.Tensor:
+                          n_tokens: int, kernels: Kernels | None = None) -> torch.Tensor:
     """combine_rows of the rows each scaled by its gate weight, in fp32."""
-    return combine_rows(y_RD.float() * weight_R[:, None], token_R, n_tokens)
+    return combine_rows(y_RD.float() * weight_R[:, None], token_R, n_tokens, kernels=kernels)
 
 
 @replaceable("swiglu")
@@ -167,9 +196,10 @@ def swiglu(gate_up_N2F: torch.Tensor) -> torch.Tensor:
 
 
 @replaceable("swiglu")
-def weighted_swiglu(gate_up_N2F: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+def weighted_swiglu(gate_up_N2F: torch.Tensor, weight_N: torch.Tensor, kernels: Kernels | None = None
+                    ) -> torch.Tensor:
     """swiglu of each row times the row's gate weight: the down product's input where the weight scales it."""
-    return swiglu(gate_up_N2F) * weight_N[:, None]
+    return swiglu(gate_up_N2F, kernels=kernels) * weight_N[:, None]
 
 
 @replaceable("mkl_products")
@@ -177,8 +207,6 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) 
     """y_NF with the rows of expert e equal to x_ND[rows of e] @ w_EDF[e]; groups given by their end offsets."""
     return torch._grouped_mm(x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))
 
-
-use_grouped_product(grouped_mm)  # an emulated engine's grouped products, in fp32 (precision.engine_products)
 
 
 @replaceable("mkl_products")
@@ -242,14 +270,16 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
 
-    def forward(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                kernels: Kernels | None = None) -> torch.Tensor:
         if self.dispatch == "loop":
             return self._loop(x_TD, weights_TK, ids_TK)
-        slots = sort_slots(ids_TK, self.n_experts)
+        slots = sort_slots(ids_TK, self.n_experts, kernels=kernels)
         if self.dispatch == "grouped":
-            return routed_experts(x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
+            return routed_experts(x_TD, weights_TK, slots, self.w_gate_up, self.w_down, kernels=kernels)
         capacity = int(slots.counts_E.max()) if self.dispatch == "padded" else 0
-        return experts_by_kernel(self.dispatch, capacity, x_TD, weights_TK, slots, self.w_gate_up, self.w_down)
+        return experts_by_kernel(self.dispatch, capacity, x_TD, weights_TK, slots, self.w_gate_up, self.w_down,
+                                 kernels)
 
     def _loop(self, x_TD, weights_TK, ids_TK):
         """Reference path: one plain matmul chain per expert that received tokens."""
@@ -265,40 +295,44 @@ class Experts(nn.Module):
 
 
 @replaceable("sampler_experts")
-def routed_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD) -> torch.Tensor:
+def routed_experts(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD,
+                   kernels: Kernels | None = None) -> torch.Tensor:
     """Dispatch 'grouped': grouped_mm or padded for this call, by shape (choose_kernel)."""
     _, d_expert, d_model = w_down_EFD.shape
     aligned = d_expert % 8 == 0 and d_model % 8 == 0
     kernel, capacity = choose_kernel(x_TD.device, slots.counts_E, weights_TK.numel(), aligned,
                                      row_macs=3 * d_model * d_expert)
-    return experts_by_kernel(kernel, capacity, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD)
+    return experts_by_kernel(kernel, capacity, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD, kernels)
 
 
-def experts_by_kernel(kernel: str, capacity: int, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD):
+def experts_by_kernel(kernel: str, capacity: int, x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD,
+                      kernels: Kernels | None = None):
     if kernel == "padded":
-        return _padded(x_TD, weights_TK, slots, capacity, w_gate_up_EDF2, w_down_EFD)
-    return _grouped_mm(x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD)
+        return _padded(x_TD, weights_TK, slots, capacity, w_gate_up_EDF2, w_down_EFD, kernels)
+    return _grouped_mm(x_TD, weights_TK, slots, w_gate_up_EDF2, w_down_EFD, kernels)
 
 
-def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD):
+def _grouped_mm(x_TD, weights_TK, slots: SlotLayout, w_gate_up_EDF2, w_down_EFD, kernels: Kernels | None):
     """All experts as two grouped matmuls over the sorted token-slots."""
     dtype = _compute_dtype(x_TD)
-    rows = expert_rows(x_TD, weights_TK, slots)
-    gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), w_gate_up_EDF2.to(dtype), slots.counts_E)
+    rows = expert_rows(x_TD, weights_TK, slots, kernels=kernels)
+    gate_up_N2F = grouped_mm(rows.x_RD.to(dtype), w_gate_up_EDF2.to(dtype), slots.counts_E, kernels=kernels)
     gate_weight_N = rows.weight_R
     d_expert, d_model = w_down_EFD.shape[1:]
     if dtype == torch.float32 and d_expert < d_model:
         # The down matmul is linear, so the gate weight may scale its input instead of its output: the same
         # product on F-wide rows instead of D-wide ones, forward and backward (one fp32 rounding apart).
-        hidden_NF = weighted_swiglu(gate_up_N2F, gate_weight_N)
-        y_ND = grouped_mm(hidden_NF, w_down_EFD, slots.counts_E)
-        return combine_rows(y_ND, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+        hidden_NF = weighted_swiglu(gate_up_N2F, gate_weight_N, kernels=kernels)
+        y_ND = grouped_mm(hidden_NF, w_down_EFD, slots.counts_E, kernels=kernels)
+        return combine_rows(y_ND, rows.token_R, weights_TK.shape[0], kernels=kernels).to(x_TD.dtype)
     # low precision, or F >= D: the gate weight is applied in fp32 after the matmul
-    y_ND = grouped_mm(swiglu(gate_up_N2F), w_down_EFD.to(dtype), slots.counts_E)
-    return combine_weighted_rows(y_ND, gate_weight_N, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+    y_ND = grouped_mm(swiglu(gate_up_N2F, kernels=kernels), w_down_EFD.to(dtype), slots.counts_E, kernels=kernels)
+    return combine_weighted_rows(y_ND, gate_weight_N, rows.token_R, weights_TK.shape[0],
+                                 kernels=kernels).to(x_TD.dtype)
 
 
-def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, w_down_EFD):
+def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, w_down_EFD,
+            kernels: Kernels | None):
     """Two batched matmuls over a buffer of per-expert row blocks: expert e's r-th slot sits in row
     block_start_e + r. Padding rows read a zero row (index T) and add into a row that is dropped, so they change no
     output and no gradient. The blocks hold C rows (the largest group; torch.bmm over an (E, C, D) view), or, where a
@@ -306,24 +340,25 @@ def _padded(x_TD, weights_TK, slots: SlotLayout, capacity: int, w_gate_up_EDF2, 
     step at 128 experts then multiplies about a third of the rows."""
     E, d_expert, d_model = w_down_EFD.shape
     dtype = _compute_dtype(x_TD)
-    block_rows_E = short_block_rows(slots.counts_E, capacity, d_model, d_expert, dtype)
+    block_rows_E = short_block_rows(slots.counts_E, capacity, d_model, d_expert, dtype, kernels=kernels)
     uniform = block_rows_E is None
     if uniform:
         block_rows_E = slots.counts_E.new_full((E,), capacity)
-    rows = expert_rows(x_TD, weights_TK, slots, block_rows_E)
+    rows = expert_rows(x_TD, weights_TK, slots, block_rows_E, kernels=kernels)
     x_RD, n_rows = rows.x_RD.to(dtype), rows.x_RD.shape[0]
 
     def blocks_times(w_EDF, a_RD):
         if uniform:
             return torch.bmm(a_RD.view(E, capacity, -1), w_EDF).view(n_rows, -1)
-        return grouped_mm(a_RD, w_EDF, block_rows_E)
+        return grouped_mm(a_RD, w_EDF, block_rows_E, kernels=kernels)
 
     gate_up_R2F = blocks_times(w_gate_up_EDF2.to(dtype), x_RD)
     if dtype == torch.float32 and d_expert < d_model:  # the gate weight on the narrower side
-        y_RD = blocks_times(w_down_EFD, weighted_swiglu(gate_up_R2F, rows.weight_R))
-        return combine_rows(y_RD, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
-    y_RD = blocks_times(w_down_EFD.to(dtype), swiglu(gate_up_R2F))
-    return combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, weights_TK.shape[0]).to(x_TD.dtype)
+        y_RD = blocks_times(w_down_EFD, weighted_swiglu(gate_up_R2F, rows.weight_R, kernels=kernels))
+        return combine_rows(y_RD, rows.token_R, weights_TK.shape[0], kernels=kernels).to(x_TD.dtype)
+    y_RD = blocks_times(w_down_EFD.to(dtype), swiglu(gate_up_R2F, kernels=kernels))
+    return combine_weighted_rows(y_RD, rows.weight_R, rows.token_R, weights_TK.shape[0],
+                                 kernels=kernels).to(x_TD.dtype)
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, ids_TK: torch.Tensor, valid_T: torch.Tensor | None = None):
@@ -352,7 +387,8 @@ def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) 
 
 class MoEFeedForward(nn.Module):
     """Router + routed experts (+ optional shared expert). A routing session, when one is attached by
-    `moe_rl.routing.replay`, supplies replay ids and observes every decision; otherwise routing is native."""
+    `moe_rl.routing.replay`, supplies the router's replay inputs and observes every decision; otherwise routing is
+    native."""
 
     def __init__(self, cfg: ModelConfig, moe_index: int):
         super().__init__()
@@ -371,8 +407,9 @@ class MoEFeedForward(nn.Module):
     def top_k(self) -> int:
         return self.router.top_k
 
-    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor):
-        """Returns (y_BSD, load-balancing loss, z-loss).
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor, kernels: Kernels | None = None,
+                router_dtype: torch.dtype | None = None):
+        """Returns (y_BSD, load-balancing loss, z-loss). `kernels` and `router_dtype`: precision.Numerics.
 
         The losses count valid (non-padding) tokens only and are None when gradients are off (the z-loss also at
         z_loss_coef 0).
@@ -380,11 +417,11 @@ class MoEFeedForward(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         session = self.routing_session
-        replay_ids_TK = session.replay_ids(self.moe_index, B, S) if session is not None else None
-        routing = self.router(x_TD, replay_ids_TK)
+        replay = session.replay_inputs(self.moe_index, B, S) if session is not None else None
+        routing = self.router(x_TD, replay, kernels, router_dtype)
         if session is not None:
             session.observe(self.moe_index, routing, B, S)
-        y_TD = self.experts(x_TD, routing.weights_TK, routing.ids_TK)
+        y_TD = self.experts(x_TD, routing.weights_TK, routing.ids_TK, kernels)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         if not torch.is_grad_enabled():  # sampling and no-grad passes need no auxiliary losses

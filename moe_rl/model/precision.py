@@ -1,7 +1,8 @@
 """The sampler's numerics (`--rollout.sampling.precision`): emulated inference engines, and the zero-mismatch control.
 
 The trainer never changes: fp32 on CPU, bf16 autocast with fp32 routers on GPU. Only the sampler (generation and
-held-out evaluation) runs inside `sampler_numerics(model, device, precision)`:
+held-out evaluation) runs inside `sampler_numerics(model, device, precision)`, which yields the `Numerics` the
+sampler passes to every forward of the model (`model(ids, valid, cache, numerics=numerics)`), down to the routers:
 
 | arm       | activations   | weights                                                          | router gate |
 |-----------|---------------|------------------------------------------------------------------|-------------|
@@ -19,7 +20,9 @@ an engine's per-tensor-scaled fp8 weights; embeddings, norms, router gates, dens
 
 A router inside an emulated engine rounds its input and gate weight to the engine's dtype and produces logits of
 that dtype (softmax and top-k then in fp32 of those logits), as an engine's gate does, so near-tied router decisions
-flip between sampler and trainer (the mismatch R3 replays away). Not reentrant across threads.
+flip between sampler and trainer (the mismatch R3 replays away). The router learns its dtype from the `Numerics` it
+is handed; the block's autocast and matrix products are torch's own mechanisms (an autocast context and a dispatch
+mode), entered by `sampler_numerics` around the sampler's forwards.
 
 On CPU an engine's matrix products (linear, matmul, mm, addmm, bmm, baddbmm and torch._grouped_mm of bf16 or fp16
 tensors) are computed by `engine_products` as fp32 products of the rounded operands, rounded once to the engine's
@@ -35,23 +38,29 @@ before this change (moe-rl 2026-12-01, the correction and length-generalisation 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_rl.errors import ConfigError
+from moe_rl.model.moe import grouped_mm
+from moe_rl.model.replaceable import Kernels
 
 SAMPLER_PRECISIONS = ("trainer", "bf16", "fp16", "fp8", "exact")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _ENGINE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # activations and gate
-_engine = {"router_dtype": None}  # set only inside sampler_autocast of an emulated engine
 
 
-def engine_router_dtype() -> torch.dtype | None:
-    """The dtype routers compute in inside an emulated inference engine (sampler_autocast), else None."""
-    return _engine["router_dtype"]
+class Numerics(NamedTuple):
+    """How one forward of the native model computes, handed down its calls (MoETransformer.forward)."""
+
+    kernels: Kernels | None = None  # the fast implementations its replaceable steps may use (None: torch's code)
+    router_dtype: torch.dtype | None = None  # an emulated engine's gate dtype (None: fp32, the trainer's)
 
 
 def trainer_autocast(device: torch.device):
@@ -63,21 +72,21 @@ def trainer_autocast(device: torch.device):
 
 
 @contextlib.contextmanager
-def sampler_autocast(device: torch.device, precision: str = "trainer"):
+def sampler_autocast(device: torch.device, precision: str = "trainer", kernels: Kernels | None = None
+                     ) -> Iterator[Numerics]:
     """The sampler's activations and routers. "trainer" and "exact": the trainer's autocast, so sampler and trainer
-    route identically on CPU; an engine arm: autocast in its dtype on any device, and routers in that dtype."""
+    route identically on CPU; an engine arm: autocast in its dtype on any device, its products rounded as an
+    engine's (CPU), and the Numerics that tell the routers to compute in that dtype."""
     if precision in ("trainer", "exact"):
         with trainer_autocast(device):
-            yield
+            yield Numerics(kernels)
         return
     dtype = _ENGINE_DTYPES[precision]
-    _engine["router_dtype"] = dtype
-    products = engine_products() if device.type == "cpu" else contextlib.nullcontext()
-    try:
-        with torch.autocast(device.type, dtype=dtype), products:
-            yield
-    finally:
-        _engine["router_dtype"] = None
+    # The engine's grouped products in fp32 through the model's own grouped product (its fp32 kernels where they serve)
+    products = engine_products(functools.partial(grouped_mm, kernels=kernels)) if device.type == "cpu" \
+        else contextlib.nullcontext()
+    with torch.autocast(device.type, dtype=dtype), products:
+        yield Numerics(kernels, router_dtype=dtype)
 
 
 _aten = torch.ops.aten
@@ -89,7 +98,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class engine_products(TorchDispatchMode):
     """Inside the block, every CPU matrix product of bf16 or fp16 tensors is computed in fp32 from the same operand
-    values and rounded once to their dtype; every other op runs as it would (see the module docstring)."""
+    values and rounded once to their dtype; every other op runs as it would (see the module docstring).
+    `grouped_product(x_ND, w_EDF, counts_E)` computes the fp32 grouped products."""
+
+    def __init__(self, grouped_product: Callable):
+        super().__init__()
+        self.grouped_product = grouped_product
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,7 +114,7 @@ class engine_products(TorchDispatchMode):
             with torch.autocast("cpu", enabled=False):
                 return func(*(_widen(a) for a in args), **{k: _widen(v) for k, v in kwargs.items()}).to(low)
         if func is _aten._grouped_mm.default:
-            return _grouped_in_fp32(*args, **kwargs).to(low)
+            return _grouped_in_fp32(self.grouped_product, *args, **kwargs).to(low)
         return func(*args, **kwargs)
 
 
@@ -109,33 +123,25 @@ def _widen(value):
     return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION else value
 
 
-# The fp32 grouped product the engine's grouped products run through: moe.grouped_mm (the fp32 kernels where they
-# serve), registered by moe.py, which imports this module (so this one cannot import it); torch's until then.
-_grouped_product = {"fp32": lambda x_ND, w_EDF, counts_E: torch._grouped_mm(
-    x_ND, w_EDF, offs=counts_E.cumsum(0).to(torch.int32))}
-
-
-def use_grouped_product(grouped_mm) -> None:
-    """Make `grouped_mm(x_ND, w_EDF, counts_E)` the engine's fp32 grouped product."""
-    _grouped_product["fp32"] = grouped_mm
-
-
-def _grouped_in_fp32(x_ND, w_EDF, offs=None, bias=None, out_dtype=None):
-    """torch._grouped_mm(x_ND, w_EDF, offs) of 2-D rows by 3-D weights, in fp32 through the registered product."""
+def _grouped_in_fp32(grouped_product, x_ND, w_EDF, offs=None, bias=None, out_dtype=None):
+    """torch._grouped_mm(x_ND, w_EDF, offs) of 2-D rows by 3-D weights, in fp32 through `grouped_product`."""
     if offs is None or bias is not None or out_dtype is not None or x_ND.dim() != 2 or w_EDF.dim() != 3:
         raise NotImplementedError("engine_products: torch._grouped_mm of 2-D rows by 3-D weights with offsets only")
     ends_E = offs.to(torch.int64)
     counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     with torch.autocast("cpu", enabled=False):
-        return _grouped_product["fp32"](x_ND.float(), w_EDF.float(), counts_E)
+        return grouped_product(x_ND.float(), w_EDF.float(), counts_E)
 
 
 @contextlib.contextmanager
-def sampler_numerics(model: nn.Module, device: torch.device, precision: str = "trainer"):
-    """sampler_autocast, and for "fp8" the model's attention and expert matrices replaced by their fp8 round trip
-    for the duration of the block (restored after, bit for bit)."""
-    with fp8_weights(model) if precision == "fp8" else contextlib.nullcontext(), sampler_autocast(device, precision):
-        yield
+def sampler_numerics(model: nn.Module, device: torch.device, precision: str = "trainer") -> Iterator[Numerics]:
+    """sampler_autocast with the model's own kernels, and for "fp8" the model's attention and expert matrices
+    replaced by their fp8 round trip for the duration of the block (restored after, bit for bit). Yields the
+    Numerics to pass to the model's forwards."""
+    kernels = getattr(model, "kernels", None)
+    with fp8_weights(model) if precision == "fp8" else contextlib.nullcontext(), \
+            sampler_autocast(device, precision, kernels) as numerics:
+        yield numerics
 
 
 def fp8_round_trip(w: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from moe_rl.model.layers import (
     positions_from_mask,
 )
 from moe_rl.model.moe import MoEFeedForward
+from moe_rl.model.precision import Numerics
+from moe_rl.model.replaceable import Kernels
 
 
 class ModelOutput(NamedTuple):
@@ -50,19 +52,24 @@ class Block(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoEFeedForward)
 
-    def forward(self, x_BSD, cos, sin, mask_B1SP, valid_BS, cache):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin, mask_B1SP, cache)
-        h_BSD = self.ffn_norm(x_BSD)
+    def forward(self, x_BSD, cos, sin, mask_B1SP, valid_BS, cache, numerics: Numerics):
+        kernels = numerics.kernels
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD, kernels), cos, sin, mask_B1SP, cache, kernels)
+        h_BSD = self.ffn_norm(x_BSD, kernels)
         if not self.is_moe:
             return x_BSD + self.ffn(h_BSD), None, None
-        y_BSD, lb_loss, z_loss = self.ffn(h_BSD, valid_BS)
+        y_BSD, lb_loss, z_loss = self.ffn(h_BSD, valid_BS, kernels, numerics.router_dtype)
         return x_BSD + y_BSD, lb_loss, z_loss
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`kernels`: the fast implementations its forward may use (moe_rl.kernels.machine(), as moe_rl/rl/build.py
+    builds it), handed down every forward's calls; None: torch's code everywhere (model/replaceable.py)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         moe_indices = _moe_indices(cfg)
@@ -81,7 +88,7 @@ class MoETransformer(nn.Module):
         """A KV cache for `batch` rows; made inside the sampler's precision context, in the key layout the decode
         attention that will read it wants (layers.decode_keys_transposed)."""
         param = self.embed.weight
-        transposed = decode_keys_transposed(param.device, param.dtype, self.cfg.head_dim)
+        transposed = decode_keys_transposed(param.device, param.dtype, self.cfg.head_dim, kernels=self.kernels)
         return KVCache(self.cfg, batch, max_len or self.cfg.max_seq_len, param.device, param.dtype, transposed)
 
     def forward(
@@ -89,9 +96,12 @@ class MoETransformer(nn.Module):
         input_ids_BS: torch.Tensor,
         valid_BP: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        numerics: Numerics | None = None,
     ) -> ModelOutput:
         """Run S new tokens. `valid_BP` marks real (non-padding) tokens over every position attention sees:
-        the cached ones followed by these S (without a cache, P = S). Padding may sit on either side."""
+        the cached ones followed by these S (without a cache, P = S). Padding may sit on either side. `numerics`:
+        the sampler's (precision.sampler_numerics); the trainer's, with this model's kernels, when None."""
+        numerics = Numerics(self.kernels) if numerics is None else numerics
         B, S = input_ids_BS.shape
         if valid_BP is None:
             past = cache.length if cache is not None else 0
@@ -109,14 +119,14 @@ class MoETransformer(nn.Module):
         x_BSD = self.embed(input_ids_BS)
         lb_losses, z_losses = [], []
         for block in self.blocks:
-            x_BSD, lb_loss, z_loss = block(x_BSD, cos, sin, mask_B1SP, valid_BS, cache)
+            x_BSD, lb_loss, z_loss = block(x_BSD, cos, sin, mask_B1SP, valid_BS, cache, numerics)
             if lb_loss is not None:
                 lb_losses.append(lb_loss)
             if z_loss is not None:
                 z_losses.append(z_loss)
         if cache is not None:
             cache.advance(S)
-        logits_BSV = self.lm_head(self.norm(x_BSD))
+        logits_BSV = self.lm_head(self.norm(x_BSD, numerics.kernels))
         return ModelOutput(logits_BSV, *self._aux_losses(lb_losses, z_losses))
 
     def _aux_losses(self, lb_losses, z_losses):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import moe_rl.kernels  # noqa: F401  (the CPU fast paths: loaded before a run writes its manifest, which records them)
+from moe_rl import kernels  # the CPU fast paths: loaded before a run writes its manifest, which records them
 from moe_rl.errors import ConfigError, DataError
 from moe_rl.model import ModelConfig, MoETransformer
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
@@ -57,12 +57,13 @@ def _key_mismatch(model, weights) -> tuple[list[str], list[str]]:
 
 
 def build_model(cfg: ModelConfig, device: torch.device, seed: int, init_from: str | None):
-    """The native MoETransformer, or with backend 'hf' an HFMoEModel (same interface: moe_rl.model.hf)."""
+    """The native MoETransformer with this machine's kernels (moe_rl.kernels), or with backend 'hf' an HFMoEModel
+    (same interface: moe_rl.model.hf)."""
     torch.manual_seed(seed)
     if cfg.backend == "hf":
         model = _hf_model(cfg)
     else:
-        model = MoETransformer(cfg)
+        model = MoETransformer(cfg, kernels=kernels.machine())
     if init_from is not None:
         load_model_weights(model, init_from)
     return model.to(device)

@@ -183,10 +183,10 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     logprobs, supports = [], []
     keep_support = cfg.keep_sampling_mask and cfg.top_p < 1.0
     with record_routing(model, with_weights=record_weights) if record and use_cache else nullcontext() as recorder, \
-            sampler_numerics(model, ids_BP.device, cfg.precision):
+            sampler_numerics(model, ids_BP.device, cfg.precision) as numerics:
         # Made in the sampler's precision: its key layout follows whether the C decode attention serves it.
         cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
-        logits_BV = model(ids_BP, valid_BP, cache).logits_BSV[:, -1]
+        logits_BV = model(ids_BP, valid_BP, cache, numerics=numerics).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
             next_B, logp_B, support_BV = draw(logits_BV, cfg, generator)
             next_B = next_B.masked_fill(finished_B, pad_id)
@@ -199,7 +199,7 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
             finished_B = finished_B | (next_B == eos_id)
             if finished_B.all() or step == cfg.max_new_tokens - 1:
                 break
-            logits_BV = _next_logits(model, tokens_BW[:, :length], valid_BW[:, :length], cache)
+            logits_BV = _next_logits(model, tokens_BW[:, :length], valid_BW[:, :length], cache, numerics)
     tokens_BS, valid_BS = tokens_BW[:, :length].contiguous(), valid_BW[:, :length].contiguous()
     routing = None
     if record:
@@ -208,10 +208,10 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     return Generation(tokens_BS, valid_BS, P, torch.stack(logprobs, dim=1), routing, support_BNV)
 
 
-def _next_logits(model, tokens_BS, valid_BS, cache):
+def _next_logits(model, tokens_BS, valid_BS, cache, numerics):
     if cache is None:
-        return model(tokens_BS, valid_BS).logits_BSV[:, -1]
-    return model(tokens_BS[:, -1:], valid_BS, cache).logits_BSV[:, -1]
+        return model(tokens_BS, valid_BS, numerics=numerics).logits_BSV[:, -1]
+    return model(tokens_BS[:, -1:], valid_BS, cache, numerics=numerics).logits_BSV[:, -1]
 
 
 def _record_full(model, tokens_BS, valid_BS, record_weights: bool = False) -> RoutingTrace:

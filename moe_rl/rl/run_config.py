@@ -16,13 +16,13 @@ from moe_rl.rl.correction import CorrectionConfig
 from moe_rl.rl.distributed import PARALLEL_MODES
 from moe_rl.rl.probes import ProbeConfig
 from moe_rl.rl.rollout import SamplingConfig
+from moe_rl.routing.mode import MODE_NAMES, ModeName, RoutingMode
 from moe_rl.routing.replay import ReplayConfig
 from moe_rl.tasks import TaskConfig
 
-RoutingMode = Literal["native", "R2", "R3"]
 Device = Literal["auto", "cpu", "cuda"]
 TrackerName = Literal["tensorboard", "wandb"]
-ROUTING_MODES, DEVICES = get_args(RoutingMode), get_args(Device)
+ROUTING_MODES, DEVICES = MODE_NAMES, get_args(Device)
 
 
 def check_numbers(config) -> None:
@@ -132,7 +132,7 @@ class TrainConfig:
     """Rollout steps; each makes `minibatches` optimizer steps."""
     minibatches: int = 4
     """Optimizer steps per rollout batch; the paper's 4 makes 3 of 4 updates off-policy."""
-    routing_mode: RoutingMode = "native"
+    routing_mode: ModeName = "native"
     """native: routers choose freely; R2: replay the old pass's routing in every update; R3: replay the
     sampler's routing in the old pass and in every update."""
     kl_coef: float = 0.0
@@ -168,6 +168,11 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def routing(self) -> RoutingMode:
+        """The routing mode as the object the trainer asks (checks the mode and the replay variants together)."""
+        return RoutingMode.of(self.routing_mode, self.replay)
 
     def __post_init__(self) -> None:
         check_numbers(self)

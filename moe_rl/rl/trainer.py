@@ -99,6 +99,7 @@ class Trainer:
         self.tokenizer = build_model_tokenizer(cfg.model)
         self.task = build_task(cfg.task, self.tokenizer)
         self.spec = get_objective(cfg.objective.name)
+        self.routing = cfg.routing  # what the sampler records, the old pass and each update replay
         self.objective_cfg = replace(cfg.objective, max_response_len=cfg.objective.max_response_len
                                           or cfg.rollout.sampling.max_new_tokens)
         # A resume takes the weights from its checkpoint, so it does not need init_from to still exist.
@@ -176,14 +177,14 @@ class Trainer:
         share = cfg.rollout.prompts_per_step // distributed.world_size()
         first = self.step * cfg.rollout.prompts_per_step + distributed.rank() * share
         problems = self.task.problems("train", first, share)
-        record = cfg.routing_mode == "R3" or "rollout" in cfg.probes.enabled
+        record = self.routing.replays_sampler or "rollout" in cfg.probes.enabled
         self.model.eval()
         try:
             with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
                 gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
                                                               cfg.rollout.group_size, cfg.rollout.sampling,
                                                               self.generators["sample"], record,
-                                                              record_weights=cfg.replay.gate_weights)
+                                                              record_weights=self.routing.sampler_records_weights)
         except FloatingPointError as err:
             raise Diverged(f"{err} at step {self.step}") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
@@ -240,25 +241,25 @@ class Trainer:
     def old_pass(self, batch: RolloutBatch, chunks) -> OldPass:
         """theta_old log-probs and routing, chunk by chunk (the same chunks the updates use). Where update 0's forward
         would repeat chunk 0's (`_old_pass_runs_first_update`), chunk 0 runs once, with autograd, for both."""
-        mode, temp = self.cfg.routing_mode, self.cfg.rollout.sampling.temperature
+        temp = self.cfg.rollout.sampling.temperature
         # Router entropy serves only the probes' router-load metrics, and only when they reuse this pass.
         with_entropy = probes_whole_batch(self.cfg.probes, batch.size)
         logps, traces, entropies, first_update = [], [], [], None
         for j, chunk in enumerate(chunks):
             rows = batch.rows(chunk)
+            replay = self.routing.old_pass_replay(rows.sampler_routing)
             if j == 0 and self._old_pass_runs_first_update():
                 out = first_update = self._first_update_forward(rows, with_entropy)
-            elif mode == "R3":
-                out = policy_forward(self.model, rows, temp, replay=rows.sampler_routing,
-                                     replay_options=self.cfg.replay)
+            elif replay is not None:
+                out = policy_forward(self.model, rows, temp, replay=replay, replay_options=self.routing.replay)
             else:
                 out = policy_forward(self.model, rows, temp, record=True, with_entropy=with_entropy)
-            if mode != "R3" and with_entropy:
+            if replay is None and with_entropy:
                 entropies.append(out.router_entropy_LBS)
             logps.append(out.logp_BN.detach())
             traces.append(out.trace)
         old_logp_BN, old_trace = torch.cat(logps), RoutingTrace.cat(traces)
-        native = None if mode == "R3" else NativeRouting(old_trace, old_logp_BN, self.updates)
+        native = None if self.routing.replays_sampler else NativeRouting(old_trace, old_logp_BN, self.updates)
         entropy = torch.cat(entropies, dim=1) if entropies else None
         ref_logp_BN = self._ref_logprobs(batch, chunks) if self.ref_model is not None else None
         return OldPass(old_logp_BN, old_trace, native, entropy, ref_logp_BN, first_update)
@@ -274,7 +275,7 @@ class Trainer:
         temp, logps, traces = self.cfg.rollout.sampling.temperature, [], []
         for chunk in chunks:
             out = policy_forward(self.model, batch.rows(chunk), temp, record=True,
-                                 record_weights=self.cfg.replay.gate_weights)
+                                 record_weights=self.routing.sampler_records_weights)
             logps.append(out.logp_BN)
             traces.append(out.trace)
         logp_BN = torch.where(batch.response_mask_BN, torch.cat(logps), 0.0)
@@ -299,13 +300,15 @@ class Trainer:
         beside the sampler's replayed one when the replay probe is due."""
         temp = self.cfg.rollout.sampling.temperature
         self.model.train()
+        replay = self.routing.old_pass_replay(rows.sampler_routing)
         with torch.enable_grad():
-            if self.cfg.routing_mode == "R3":
+            if replay is not None:
                 record_native = self.cfg.probes.due("replay", self.updates)
-                return policy_forward(self.train_model, rows, temp, replay=rows.sampler_routing,
-                                      record_native=record_native, replay_options=self.cfg.replay)
+                return policy_forward(self.train_model, rows, temp, replay=replay, record_native=record_native,
+                                      replay_options=self.routing.replay)
             out = policy_forward(self.train_model, rows, temp, record=True, with_entropy=with_entropy)
-        return replace(out, native_trace=out.trace) if self.cfg.routing_mode == "R2" else out
+        # R2 replays this very routing at update 0, so it is also the replay probe's native trace.
+        return replace(out, native_trace=out.trace) if self.routing.replays_old_pass else out
 
     def _ref_logprobs(self, batch, chunks) -> torch.Tensor:
         temp = self.cfg.rollout.sampling.temperature
@@ -322,7 +325,7 @@ class Trainer:
         out = forward
         if out is None:
             out = policy_forward(self.train_model, mb, self.cfg.rollout.sampling.temperature, replay=replay,
-                                 record_native=record_native, replay_options=self.cfg.replay)
+                                 record_native=record_native, replay_options=self.routing.replay)
         mask_BN = mb.response_mask_BN
         total, metrics = self._loss(out, mb, old_logp_BN, ref_logp_BN, share, correction)
         metrics.update({"loss/total": total.item(), "grad_norm": self._backward(total),
@@ -388,7 +391,8 @@ class Trainer:
         if chunk is None:
             metrics.update(self.idle_update())
         else:
-            replay = self._replay_trace(batch, old.trace, chunk)
+            replay = self.routing.update_replay(batch.sampler_routing, old.trace)
+            replay = replay.rows(chunk) if replay is not None else None
             ref = old.ref_logp_BN[chunk] if old.ref_logp_BN is not None else None
             forward = old.first_update if j == 0 else None
             old.first_update = None  # its graph is not held past update 0
@@ -481,13 +485,6 @@ class Trainer:
     def _eval_due(self) -> bool:
         every = self.cfg.log.eval_every
         return bool(every) and self.step % every == 0
-
-    def _replay_trace(self, batch: RolloutBatch, old_trace: RoutingTrace, chunk) -> RoutingTrace | None:
-        if self.cfg.routing_mode == "R2":
-            return old_trace.rows(chunk)
-        if self.cfg.routing_mode == "R3":
-            return batch.sampler_routing.rows(chunk)
-        return None
 
     def _write_samples(self, batch: RolloutBatch) -> None:
         every, keep = self.cfg.log.samples_every, self.cfg.log.samples_per_step

@@ -17,10 +17,10 @@ import math
 
 import torch
 
+# topk_margin_T lives beside the router (margin-threshold replay uses it too) and is re-exported here.
+from moe_rl.model.moe import topk_margin_T  # noqa: F401
 from moe_rl.routing.churn import expert_overlap
-from moe_rl.routing.replay import RecordSession, topk_margin_T  # noqa: F401
-
-# topk_margin_T lives in moe_rl.routing.replay (margin-threshold replay uses it too) and is re-exported here.
+from moe_rl.routing.replay import RecordSession
 from moe_rl.routing.trace import RoutingTrace
 
 MARGIN_THRESHOLDS = (0.001, 0.01, 0.05)

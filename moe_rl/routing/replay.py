@@ -1,8 +1,8 @@
-"""The routing contract shared by every backend: traces, record and replay sessions, churn arithmetic.
+"""Record and replay sessions over a model: the routing contract shared by every backend.
 
-A routing trace holds, for every MoE layer in depth order, the expert ids each token was sent to, laid out
-like the model input it was recorded on: `ids_LBSK` (L MoE layers, B sequences, S positions, K experts),
-int16. Recording and replaying are sessions over a model, used as context managers:
+A routing trace (moe_rl.routing.trace) holds, for every MoE layer in depth order, the expert ids each token was
+sent to, laid out like the model input it was recorded on: `ids_LBSK` (L MoE layers, B sequences, S positions, K
+experts), int16. Recording and replaying are sessions over a model, used as context managers:
 
     with record_routing(model) as rec:
         model(input_ids_BS, valid_BS)
@@ -13,7 +13,7 @@ int16. Recording and replaying are sessions over a model, used as context manage
 
 A session attaches itself to each MoE layer of one model for the duration of the block; nothing is global,
 and a replay that does not fit the model fails at once, naming the layer, instead of falling back to native
-routing. Churn between two routings of the same tokens follows docs/design.md section 5.
+routing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.errors import ConfigError, RoutingError
-from moe_rl.model.moe import Router, topk_indices
+from moe_rl.model.moe import ReplayInputs, Router, topk_indices
 from moe_rl.routing.churn import expert_overlap
 from moe_rl.routing.trace import RoutingTrace, routing_sites, validate_trace
 
@@ -50,14 +50,6 @@ class ReplayConfig:
     def overrides(self) -> bool:
         return self.gate_weights or self.margin_threshold is not None
 
-    def validate(self, routing_mode: str) -> None:
-        """Refuse a variant the routing mode has nothing to apply to (moe-rl train checks this before it writes)."""
-        if self.gate_weights and routing_mode != "R3":
-            raise ConfigError(f"replay.gate_weights replays the sampler's gate weights: it needs routing_mode R3, "
-                              f"not {routing_mode!r}")
-        if self.margin_threshold is not None and routing_mode == "native":
-            raise ConfigError("replay.margin_threshold needs routing_mode R2 or R3 (native routing replays nothing)")
-
 
 class RoutingSession:
     """Base session: attached to every MoE layer of one model inside a `with` block."""
@@ -81,7 +73,8 @@ class RoutingSession:
             if site.routing_session is self:
                 site.routing_session = None
 
-    def replay_ids(self, layer: int, batch: int, seq_len: int) -> torch.Tensor | None:
+    def replay_inputs(self, layer: int, batch: int, seq_len: int) -> ReplayInputs | None:
+        """What the router of MoE layer `layer` replays in this forward (None: its own choice)."""
         return None
 
     def observe(self, layer: int, routing, batch: int, seq_len: int) -> None:
@@ -144,18 +137,15 @@ class RecordSession(RoutingSession):
 
 
 class ReplaySession(RoutingSession):
-    """Forces every router to use the trace's ids; optionally records the native top-k it overrode.
+    """Makes every router use the trace's ids; optionally records the native top-k it overrode.
 
-    With `options` (ReplayConfig):
-    - `margin_threshold`: a forward pre-hook on each router, attached for the session's block, runs the router once
-      without gradient on the same input (its own top-k and scores, bit for bit) and passes it the trace's ids only
-      where the margin is below the threshold, its own elsewhere; the router then gathers its weights at those ids
-      as usual, so it keeps its gradient for every decision.
-    - `gate_weights`: `observe`, which the MoE layer calls between its router and its experts, overwrites the
-      router's weights with the trace's (in place, through `copy_`, which autograd records: the replayed weights
-      are constants and pass the router no gradient).
-    The change to moe.py that would make both arguments instead: `Router.forward(x_TD, replay_ids_TK,
-    replay_weights_TK=None, replay_mask_T=None)` and a session method that supplies them before the router runs."""
+    Each MoE layer asks `replay_inputs` for its router's replay arguments before the router runs
+    (moe_rl.model.moe.ReplayInputs). With `options` (ReplayConfig):
+    - `margin_threshold`: the router replays only the decisions whose margin in this forward is below the threshold
+      and keeps its own top-k elsewhere; it gathers its weights at whichever ids it uses, so it keeps its gradient
+      for every decision.
+    - `gate_weights`: the router also uses the trace's gate weights (constants: they pass the router no gradient).
+    """
 
     def __init__(self, model, trace: RoutingTrace, record_native: bool = False,
                  options: ReplayConfig | None = None, count_mask_BS: torch.Tensor | None = None):
@@ -168,43 +158,19 @@ class ReplaySession(RoutingSession):
             check_overrides(self.options, trace, self.sites)
         self.count_mask_BS = count_mask_BS
         self._counts = torch.zeros(3, dtype=torch.float64)  # decisions counted, replayed, changed by the replay
-        self._replay_T: dict[int, torch.Tensor] = {}  # margin replay: which decisions of each layer were replayed
-        self._hooks = []
 
-    def __enter__(self):
-        super().__enter__()
-        if self.options is not None and self.options.margin_threshold is not None:
-            self._hooks = [site.router.register_forward_pre_hook(self._margin_hook(layer))
-                           for layer, site in enumerate(self.sites)]
-        return self
-
-    def _detach(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        super()._detach()
-
-    def _margin_hook(self, layer: int):
-        def choose_ids(router, args):
-            x_TD, replay_ids_TK = args
-            with torch.no_grad():
-                native = router.forward(x_TD)  # forward, not __call__: no hook, the router's own choice
-            K = native.ids_TK.shape[1]
-            replay_T = topk_margin_T(native.scores_TE, K) < self.options.margin_threshold
-            self._replay_T[layer] = replay_T
-            changed_T = replay_T & (expert_overlap(replay_ids_TK.long(), native.ids_TK) < K)
-            self._count(replay_T, changed_T)
-            return x_TD, torch.where(replay_T[:, None], replay_ids_TK.long(), native.ids_TK)
-        return choose_ids
-
-    def replay_ids(self, layer, batch, seq_len):
+    def replay_inputs(self, layer, batch, seq_len) -> ReplayInputs:
         ids_BSK = self.trace.ids_LBSK[layer]
         if ids_BSK.shape[:2] != (batch, seq_len):
             raise RoutingError(
                 f"MoE layer {layer}: the replay trace covers {tuple(ids_BSK.shape[:2])} (batch, positions) "
                 f"but this forward has ({batch}, {seq_len})"
             )
-        return ids_BSK.reshape(batch * seq_len, -1)
+        ids_TK = ids_BSK.reshape(batch * seq_len, -1)
+        if self.options is None:
+            return ReplayInputs(ids_TK)
+        weights_TK = self.trace.weights_LBSK[layer].reshape(ids_TK.shape) if self.options.gate_weights else None
+        return ReplayInputs(ids_TK, weights_TK, self.options.margin_threshold)
 
     def observe(self, layer, routing, batch, seq_len):
         if self._native is not None:
@@ -213,16 +179,11 @@ class ReplaySession(RoutingSession):
             if native_ids_TK is None:
                 native_ids_TK = topk_indices(routing.scores_TE.detach(), routing.ids_TK.shape[1])
             self._native.add(layer, native_ids_TK.to(torch.int16).view(batch, seq_len, -1))
-        if self.options is not None and self.options.gate_weights:
-            self._replay_weights(layer, routing)
-
-    def _replay_weights(self, layer, routing) -> None:
-        """The trace's gate weights into the router's output, in place (where margin replay replayed the ids)."""
-        weights_TK = routing.weights_TK
-        replayed_TK = self.trace.weights_LBSK[layer].reshape(weights_TK.shape).to(weights_TK.dtype)
-        if layer in self._replay_T:
-            replayed_TK = torch.where(self._replay_T[layer][:, None], replayed_TK, weights_TK)
-        weights_TK.copy_(replayed_TK)
+        if getattr(routing, "replayed_T", None) is not None:
+            K = routing.ids_TK.shape[1]
+            replay_TK = self.trace.ids_LBSK[layer].reshape(routing.ids_TK.shape).long()
+            changed_T = routing.replayed_T & (expert_overlap(replay_TK, routing.native_ids_TK) < K)
+            self._count(routing.replayed_T, changed_T)
 
     def _count(self, replay_T, changed_T) -> None:
         mask_T = torch.ones_like(replay_T) if self.count_mask_BS is None else \
@@ -255,14 +216,6 @@ def check_overrides(options: ReplayConfig, trace: RoutingTrace, sites: list) -> 
     if not all(isinstance(getattr(site, "router", None), Router) for site in sites):
         raise RoutingError("replay.gate_weights and replay.margin_threshold need the native model's routers (they "
                            "rerun the router or overwrite its output; a Hugging Face router is not ours)")
-
-
-def topk_margin_T(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """score of the k-th minus score of the (k+1)-th expert, per token (+inf when k equals the number of experts)."""
-    if k >= scores_TE.shape[-1]:
-        return torch.full(scores_TE.shape[:1], math.inf, device=scores_TE.device)
-    top_T2 = scores_TE.float().topk(k + 1, dim=-1).values[:, k - 1:]
-    return top_T2[:, 0] - top_T2[:, 1]
 
 
 def record_routing(model, with_entropy: bool = False, with_weights: bool = False) -> RecordSession:

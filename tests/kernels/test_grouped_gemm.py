@@ -12,6 +12,8 @@ from moe_rl.kernels.grouped_gemm import MKL_MIN_EXPERTS_WITH_GRAD, exact_min_blo
 from moe_rl.model import MoETransformer
 from moe_rl.model.moe import grouped_mm
 
+KERNELS = kernels.machine()  # the model functions' fast paths, as a built model's forward hands them down
+
 needs_mkl = pytest.mark.skipif(not mkl_available(), reason="this torch build does not export MKL's batched GEMM")
 pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics]
 
@@ -26,7 +28,7 @@ def _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E):
     """grouped_mm and torch._grouped_mm give the same output and the same gradients of x and w, bit for bit."""
     upstream_NF = torch.randn(x_ND.shape[0], w_EDF.shape[2])
     results = []
-    for product in (lambda x, w: grouped_mm(x, w, counts_E), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+    for product in (lambda x, w: grouped_mm(x, w, counts_E, kernels=KERNELS), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
         x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
         y = product(x, w)
         y.backward(upstream_NF)
@@ -41,7 +43,7 @@ def test_batch_call_equals_torch_grouped_mm_at_every_group_size(d_in, d_out):
     counts_E = torch.arange(130)[torch.randperm(130)]  # every group size from 0 (an idle expert) to 129
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
     with torch.no_grad():
-        y_NF = grouped_mm(x_ND, w_EDF, counts_E)
+        y_NF = grouped_mm(x_ND, w_EDF, counts_E, kernels=KERNELS)
     assert torch.equal(y_NF, torch._grouped_mm(x_ND, w_EDF, offs=ends_E))
 
 
@@ -51,7 +53,7 @@ def test_batch_call_fills_rows_of_a_single_busy_expert():
     counts_E[5] = 7
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
     with torch.no_grad():
-        assert torch.equal(grouped_mm(x_ND, w_EDF, counts_E), x_ND @ w_EDF[5])
+        assert torch.equal(grouped_mm(x_ND, w_EDF, counts_E, kernels=KERNELS), x_ND @ w_EDF[5])
 
 
 @needs_mkl
@@ -60,7 +62,7 @@ def test_batch_calls_give_torch_grouped_mm_gradients_at_every_group_size(d_in, d
     counts_E = torch.arange(130)[torch.randperm(130)]  # includes the one-slot expert (a matrix-vector product)
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, d_in, d_out)
     _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E)
-    assert "MKLGroupedMM" in type(grouped_mm(x_ND.requires_grad_(), w_EDF, counts_E).grad_fn).__name__
+    assert "MKLGroupedMM" in type(grouped_mm(x_ND.requires_grad_(), w_EDF, counts_E, kernels=KERNELS).grad_fn).__name__
 
 
 @needs_mkl
@@ -68,7 +70,7 @@ def test_group_sizes_that_do_not_cover_the_rows_are_refused():
     counts_E = torch.full((MKL_MIN_EXPERTS_WITH_GRAD,), 2)
     x_ND, w_EDF, ends_E = _sorted_rows(counts_E, 16, 8)
     with torch.no_grad(), pytest.raises(ValueError, match="sum to 64, but x has 63 rows"):
-        grouped_mm(x_ND[:-1], w_EDF, counts_E)
+        grouped_mm(x_ND[:-1], w_EDF, counts_E, kernels=KERNELS)
 
 
 @pytest.mark.parametrize("n_experts, top_k", [(MKL_MIN_EXPERTS_WITH_GRAD, 2), (MKL_MIN_EXPERTS_WITH_GRAD, 8), (8, 2)])
@@ -78,7 +80,7 @@ def test_many_expert_model_gives_torch_kernel_numbers_with_and_without_grad(n_ex
     torch._grouped_mm, and the logits close to the loop reference."""
     overrides = dict(n_experts=n_experts, top_k=top_k, dispatch="grouped_mm")
     model = tiny_model(**overrides)
-    loop = MoETransformer(tiny_config(**{**overrides, "dispatch": "loop"}))
+    loop = MoETransformer(tiny_config(**{**overrides, "dispatch": "loop"}), kernels=KERNELS)
     loop.load_state_dict(model.state_dict())
     ids = torch.randint(0, 40, (4, 13))
 
@@ -122,8 +124,8 @@ def test_padded_kernel_in_short_blocks_gives_the_numbers_of_full_blocks(tokens, 
         min_rows = max(exact_min_block_rows(32, 32, capacity), exact_min_block_rows(16, 32, capacity))
         short_blocks = grouped_gemm.short_block_rows(counts_E, capacity, 32, 16, torch.float32)
         assert (short_blocks is not NotImplemented) == (min_rows < capacity)
-        short = experts(x_TD, weights_TK, ids_TK)
-    full = experts(x_TD, weights_TK, ids_TK)  # with autograd: torch.bmm over (E, C, D) blocks
+        short = experts(x_TD, weights_TK, ids_TK, KERNELS)
+    full = experts(x_TD, weights_TK, ids_TK, KERNELS)  # with autograd: torch.bmm over (E, C, D) blocks
     assert torch.equal(short, full.detach())
 
 
@@ -210,7 +212,7 @@ def test_c_loop_gives_torch_numbers_at_every_group_size_of_its_plan(d_in, d_out,
     """At d_model 64 and expert width 32 (the bench and study models) every product has a plan that starts at a few
     rows and reaches MKL's depth block, and the loop gives torch's numbers at every group size inside it, not only
     at the sizes the search checked (which skip from 200 rows to 224, 256, ...)."""
-    from moe_rl.kernels.grouped_gemm import _exact_products, _torch_products, exact_plan
+    from moe_rl.kernels.grouped_gemm import _exact_products, _torch_products
 
     plan = _plan_or_skip(mode, d_in, d_out)
     assert plan.min_rows <= 4 and plan.max_rows >= 96, plan

@@ -13,6 +13,7 @@ import moe_rl.kernels.measure as measure
 import moe_rl.kernels.selection as selection
 from moe_rl import kernels
 from moe_rl.kernels import native
+from moe_rl.kernels.registry import IMPLEMENTATIONS
 from moe_rl.model import replaceable
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
@@ -29,8 +30,8 @@ def fresh_choice(tmp_path, monkeypatch):
 
 
 def test_every_fast_implementation_replaces_a_model_function_of_a_known_family():
-    assert set(replaceable._FAST) <= set(replaceable._FAMILY_OF)
-    assert set(replaceable._FAMILY_OF.values()) <= set(kernels.FAMILIES)
+    assert set(IMPLEMENTATIONS) <= set(replaceable.REPLACEABLE)
+    assert set(replaceable.REPLACEABLE.values()) <= set(kernels.FAMILIES)
     assert set(measure._PLANS) == set(kernels.FAMILIES)
 
 
@@ -48,7 +49,7 @@ def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh
         if choice["why"].startswith("measured"):
             assert len(choice["fast_s"]) == len(choice["reference_s"]) > 0
     selection.reset()
-    monkeypatch.setattr(selection, "measure_all", lambda forced: pytest.fail("measured again despite the cache"))
+    monkeypatch.setattr(selection, "measure_all", lambda forced, kernels: pytest.fail("measured again despite the cache"))
     monkeypatch.setattr(selection, "machine_idle", lambda: False)  # were the suite's load to make it provisional
     assert selection.choices() == chosen
 
@@ -62,7 +63,7 @@ def _families(why: str) -> dict[str, dict]:
 def test_a_measurement_while_another_process_keeps_a_core_busy_is_provisional(fresh_choice, monkeypatch):
     """The measurement counts the CPU time other processes took while it ran: here a child process spins for a
     second while this one waits, so about one core was busy with someone else's work."""
-    def measure_beside_a_spinning_process(forced):
+    def measure_beside_a_spinning_process(forced, kernels):
         subprocess.run([sys.executable, "-c", "import time\nend = time.perf_counter() + 1.0\n"
                         "while time.perf_counter() < end: pass"], check=True)
         return _families("measured beside a busy core")
@@ -123,7 +124,7 @@ def test_the_measurement_runs_from_inside_a_no_grad_or_inference_pass(monkeypatc
     with autograd must still run there."""
     monkeypatch.setattr(measure, "_PLANS", {"rows": measure._PLANS["rows"]})
     with torch.inference_mode(), torch.no_grad():
-        chosen = measure.measure_all(selection.forced)
+        chosen = measure.measure_all(selection.forced, kernels.machine())
     assert chosen["rows"]["why"].startswith("measured") and len(chosen["rows"]["fast_s"]) == 4
 
 
@@ -131,10 +132,10 @@ def test_the_measurement_runs_from_inside_a_no_grad_or_inference_pass(monkeypatc
                                                   (0.96, True, False), (0.8, True, True)])
 def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkeypatch):
     family = "sampler_experts" if inexact else "topk"
-    monkeypatch.setattr(measure, "_PLANS", {family: (lambda: None, lambda: [None, None])})
+    monkeypatch.setattr(measure, "_PLANS", {family: (lambda: None, lambda kernels: [None, None])})
     monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: True)
     monkeypatch.setattr(measure, "_race", lambda forced, f, work, others, rounds=7: [(ratio, 1.0), (ratio * 2, 2.0)])
-    chosen = measure.measure_all(selection.forced)
+    chosen = measure.measure_all(selection.forced, kernels.machine())
     assert chosen[family]["used"] is used
     assert chosen[family]["why"] == f"measured: {ratio:.2f}x the torch time"
 
@@ -142,7 +143,7 @@ def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkey
 def test_a_hosted_family_is_timed_inside_its_host_and_is_off_where_its_host_is(monkeypatch):
     """The C loop of the expert products runs only inside MKL's batch path: it is timed with MKL on in both arms,
     before MKL, which is then timed with the loop's choice in force; if MKL loses, the loop is off too."""
-    plans = {"exact_products": (lambda: None, lambda: [None]), "mkl_products": (lambda: None, lambda: [None])}
+    plans = {"exact_products": (lambda: None, lambda kernels: [None]), "mkl_products": (lambda: None, lambda kernels: [None])}
     monkeypatch.setattr(measure, "_PLANS", plans)
     monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: True)
     seen = {}
@@ -152,7 +153,7 @@ def test_a_hosted_family_is_timed_inside_its_host_and_is_off_where_its_host_is(m
         return [({"exact_products": 0.5, "mkl_products": 1.2}[family], 1.0)]
 
     monkeypatch.setattr(measure, "_race", race)
-    chosen = measure.measure_all(selection.forced)
+    chosen = measure.measure_all(selection.forced, kernels.machine())
     assert seen["exact_products"]["mkl_products"] is True and seen["mkl_products"]["exact_products"] is True
     assert chosen["mkl_products"]["used"] is False and chosen["exact_products"]["used"] is False
     assert chosen["exact_products"]["why"] == ("measured: 0.50x the torch time, but it runs inside mkl_products, "
@@ -162,8 +163,8 @@ def test_a_hosted_family_is_timed_inside_its_host_and_is_off_where_its_host_is(m
 def test_only_the_workloads_a_family_serves_are_timed(monkeypatch):
     """A workload whose every call the family declines would time the reference against itself; a family that
     serves none of the shapes is off and says so."""
-    monkeypatch.setattr(measure, "_PLANS", {"topk": (lambda: None, lambda: ["served", "declined"]),
-                                            "slots": (lambda: None, lambda: ["declined"])})
+    monkeypatch.setattr(measure, "_PLANS", {"topk": (lambda: None, lambda kernels: ["served", "declined"]),
+                                            "slots": (lambda: None, lambda kernels: ["declined"])})
     monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: work == "served")
     timed = {}
 
@@ -172,7 +173,7 @@ def test_only_the_workloads_a_family_serves_are_timed(monkeypatch):
         return [(0.5, 1.0)] * len(work)
 
     monkeypatch.setattr(measure, "_race", race)
-    chosen = measure.measure_all(selection.forced)
+    chosen = measure.measure_all(selection.forced, kernels.machine())
     assert timed == {"topk": ["served"]} and chosen["topk"]["used"] is True
     assert chosen["slots"] == {"used": False, "why": "serves none of the measured shapes"}
 
@@ -183,7 +184,7 @@ def test_mkl_with_autograd_below_its_expert_minimum_is_not_served():
     experts) without reach MKL's batch call; the small one with autograd falls back to torch, and so to its host
     for the C loop. The loop is asked with its host on, as measure_all asks it: left to this machine's choice, a
     measurement made while the suite loaded the cores once turned MKL off (1.03x) and the loop reached nothing."""
-    work = measure._products_workloads()
+    work = measure._products_workloads(kernels.machine())
     for family in ("mkl_products", "exact_products"):
         others = {measure.HOSTS[family]: True} if family in measure.HOSTS else {}
         assert [measure._served(selection.forced, family, w, others) for w in work] == [True, True, True, False], family
@@ -191,7 +192,7 @@ def test_mkl_with_autograd_below_its_expert_minimum_is_not_served():
 
 def test_an_unavailable_family_is_off_and_says_why(monkeypatch):
     monkeypatch.setattr(measure, "_PLANS", {"exact_products": (lambda: "needs AVX-512", lambda: pytest.fail())})
-    assert measure.measure_all(selection.forced) == {"exact_products": {"used": False,
+    assert measure.measure_all(selection.forced, kernels.machine()) == {"exact_products": {"used": False,
                                                                         "why": "unavailable: needs AVX-512"}}
 
 
@@ -267,18 +268,22 @@ def test_a_bad_isa_cap_is_refused(monkeypatch):
 
 
 def test_a_reference_runs_where_its_family_is_off(monkeypatch):
-    """The dispatcher calls the torch reference when the family is off, the kernel when it is on and serves."""
+    """The dispatcher calls the torch reference when the family is off or no kernel set is given, the kernel when
+    the set has the family on and the kernel serves."""
     from moe_rl.model.moe import sort_slots
 
     calls = []
-    monkeypatch.setitem(replaceable._FAST, "sort_slots", lambda *args: calls.append(args) or NotImplemented)
+    monkeypatch.setitem(IMPLEMENTATIONS, "sort_slots", lambda *args: calls.append(args) or NotImplemented)
     ids_TK = torch.tensor([[2, 0], [1, 2]])
     with kernels.forced(slots=False):
-        off = sort_slots(ids_TK, 3)
+        off = sort_slots(ids_TK, 3, kernels=kernels.machine())
+    with kernels.forced(slots=True):
+        without_a_set = sort_slots(ids_TK, 3)
     assert calls == []
     with kernels.forced(slots=True):
-        declined = sort_slots(ids_TK, 3)
+        declined = sort_slots(ids_TK, 3, kernels=kernels.machine())
     assert len(calls) == 1  # asked, declined (NotImplemented): the reference ran
+    assert all(torch.equal(a, b) for a, b in zip(off, without_a_set))
     for a, b in zip(off, declined):
         assert torch.equal(a, b)
     assert torch.equal(off.order_N, torch.tensor([1, 2, 0, 3]))
@@ -297,17 +302,17 @@ def test_the_sampler_experts_kernel_is_timed_at_its_own_call_which_it_serves():
     """Its workloads are the experts call of a decode step at both measured shapes (not a whole decode loop, whose
     shared costs diluted the ratio to the threshold's edge: a loop would call it once per layer and step), and the
     kernel is reached in each: the race times it."""
-    workloads = measure._PLANS["sampler_experts"][1]()
+    workloads = measure._PLANS["sampler_experts"][1](kernels.machine())
     assert len(workloads) == 2
     calls: list[bool] = []
-    real = replaceable._FAST["routed_experts"]
+    real = IMPLEMENTATIONS["routed_experts"]
 
     def counting(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out is not NotImplemented)
         return out
 
-    replaceable._FAST["routed_experts"] = counting
+    IMPLEMENTATIONS["routed_experts"] = counting
     try:
         for work in workloads:
             assert measure._served(selection.forced, "sampler_experts", work, {})
@@ -316,4 +321,4 @@ def test_the_sampler_experts_kernel_is_timed_at_its_own_call_which_it_serves():
                 work()
             assert calls == [True]  # one experts call per run of the workload, and the kernel took it
     finally:
-        replaceable._FAST["routed_experts"] = real
+        IMPLEMENTATIONS["routed_experts"] = real

@@ -12,10 +12,13 @@ import pytest
 import torch
 from conftest import spy_kernel, switch_kernels_off, tiny_config, tiny_model
 
+from moe_rl import kernels
 from moe_rl.kernels import activation, attention, native, sampler
 from moe_rl.model import layers, moe
 from moe_rl.model.moe import sort_slots, topk_indices
 from moe_rl.rl.rollout import SamplingConfig, generate
+
+KERNELS = kernels.machine()  # the model functions' fast paths, as a built model's forward hands them down
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
 pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics]
@@ -36,7 +39,7 @@ def _kernel_unclear_rows(scores_TE: torch.Tensor, k: int) -> list[int]:
 def test_indices_equal_torch_topk(tokens, experts, k, spread):
     """Widths on both sides of the group-maxima bound (it needs 32+ columns and k < 16), with a ragged tail group."""
     scores_TE = torch.randn(tokens, experts).mul(spread).softmax(-1)
-    assert torch.equal(topk_indices(scores_TE, k), scores_TE.topk(k, dim=-1).indices)
+    assert torch.equal(topk_indices(scores_TE, k, kernels=KERNELS), scores_TE.topk(k, dim=-1).indices)
     kept_TJ = scores_TE.topk(min(k + 1, experts), dim=-1).values  # near-uniform fp32 scores do tie at times
     tied_rows = (kept_TJ[:, 1:] == kept_TJ[:, :-1]).any(dim=1).nonzero().squeeze(1).tolist()
     assert _kernel_unclear_rows(scores_TE, k) == tied_rows
@@ -52,7 +55,7 @@ def test_rows_with_equal_or_missing_values_are_redone_by_torch():
     scores_TE[3, (scores_TE[3] == top5[4]).nonzero()[0]] = top5[3]  # 4th and 5th largest equal: the boundary of k=4
     scores_TE[4, 0] = float("nan")
     assert _kernel_unclear_rows(scores_TE, 4) == [1, 2, 3, 4]
-    assert torch.equal(topk_indices(scores_TE, 4), scores_TE.topk(4, dim=-1).indices)
+    assert torch.equal(topk_indices(scores_TE, 4, kernels=KERNELS), scores_TE.topk(4, dim=-1).indices)
 
 
 @needs_native
@@ -71,20 +74,20 @@ def test_wide_rows_with_ties_or_nan_anywhere_are_redone_by_torch(width):
     scores_TE[6, ::2] = scores_TE[6, ::2].round(decimals=1)  # ties below the top 9 only: a clear row
     scores_TE[6, [7, 9, 11, 13, 15, 17, 19, 23, 25]] = torch.arange(2.0, 2.9, 0.1)
     assert _kernel_unclear_rows(scores_TE, 8) == [0, 1, 2, 3, 4, 5]
-    assert torch.equal(topk_indices(scores_TE, 8), scores_TE.topk(8, dim=-1).indices)
+    assert torch.equal(topk_indices(scores_TE, 8, kernels=KERNELS), scores_TE.topk(8, dim=-1).indices)
 
 
 @needs_native
 def test_bf16_router_scores_with_many_ties_match_torch():
     logits_TE = torch.randn(500, 64).bfloat16().float()  # an emulated bf16 engine's gate: coarse, often tied
     scores_TE = logits_TE.softmax(-1)
-    assert torch.equal(topk_indices(scores_TE, 8), scores_TE.topk(8, dim=-1).indices)
+    assert torch.equal(topk_indices(scores_TE, 8, kernels=KERNELS), scores_TE.topk(8, dim=-1).indices)
 
 
 def test_inputs_the_kernel_does_not_serve_go_to_torch():
     scores = torch.randn(30, 128)
     for tensor, k in [(scores.double(), 8), (scores.T, 8), (scores, 100), (scores[:0], 8)]:
-        assert torch.equal(topk_indices(tensor, k), tensor.topk(k, dim=-1).indices)
+        assert torch.equal(topk_indices(tensor, k, kernels=KERNELS), tensor.topk(k, dim=-1).indices)
 
 
 @needs_native
@@ -117,7 +120,7 @@ def test_a_flag_set_the_compiler_refuses_falls_back_to_the_next(tmp_path, monkey
 def test_slot_sort_is_torch_stable_argsort(tokens, experts, k):
     ids_TK = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
     ids_TK[: tokens // 2] = ids_TK[: tokens // 2] % 3  # crowded experts, to exercise stability (ids repeat per token)
-    slots = sort_slots(ids_TK, experts)
+    slots = sort_slots(ids_TK, experts, kernels=KERNELS)
     ids_N = ids_TK.reshape(-1)
     order_N = ids_N.argsort(stable=True)
     assert torch.equal(slots.order_N, order_N)
@@ -129,7 +132,7 @@ def test_slot_sort_is_torch_stable_argsort(tokens, experts, k):
 @needs_native
 def test_slot_sort_refuses_out_of_range_expert_ids():
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 8\); got 0..8"):
-        sort_slots(torch.tensor([[0, 8], [1, 2]]), 8)
+        sort_slots(torch.tensor([[0, 8], [1, 2]]), 8, kernels=KERNELS)
 
 
 def _routed_slots(tokens: int, experts: int, k: int, seed: int = 0):
@@ -137,7 +140,7 @@ def _routed_slots(tokens: int, experts: int, k: int, seed: int = 0):
     scores_TE = torch.randn(tokens, experts, generator=g).softmax(-1)
     scores_TE[: tokens // 3, 0] += 1.0  # one crowded expert, several idle ones
     ids_TK = scores_TE.topk(k, dim=-1).indices
-    return torch.randn(tokens, 24, generator=g), scores_TE.gather(-1, ids_TK), sort_slots(ids_TK, experts)
+    return torch.randn(tokens, 24, generator=g), scores_TE.gather(-1, ids_TK), sort_slots(ids_TK, experts, kernels=KERNELS)
 
 
 @needs_native
@@ -151,12 +154,12 @@ def test_expert_rows_and_their_sum_equal_the_torch_code(padding, monkeypatch):
     block_rows_E = {"none": None, "short blocks": counts_E.clamp(min=3),
                     "uniform": counts_E.new_full(counts_E.shape, int(counts_E.max()))}[padding]
     with torch.no_grad():
-        native_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
+        native_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E, kernels=KERNELS)
         y_RD = torch.randn(native_rows.x_RD.shape[0], 24)
-        native_sum = moe.combine_rows(y_RD, native_rows.token_R, 50)
+        native_sum = moe.combine_rows(y_RD, native_rows.token_R, 50, kernels=KERNELS)
         switch_kernels_off(monkeypatch)
-        torch_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
-        torch_sum = moe.combine_rows(y_RD, torch_rows.token_R, 50)
+        torch_rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E, kernels=KERNELS)
+        torch_sum = moe.combine_rows(y_RD, torch_rows.token_R, 50, kernels=KERNELS)
     for name, ours, torchs in zip(moe.ExpertRows._fields, native_rows, torch_rows):
         assert torch.equal(ours, torchs), name
     assert torch.equal(native_sum, torch_sum)
@@ -168,13 +171,13 @@ def test_expert_rows_refuse_blocks_shorter_than_their_groups():
 
     x_TD, weights_TK, slots = _routed_slots(tokens=20, experts=8, k=2)
     with torch.no_grad(), pytest.raises(ValueError, match="shorter than their groups"):
-        moe.expert_rows(x_TD, weights_TK, slots, slots.counts_E - 1)
+        moe.expert_rows(x_TD, weights_TK, slots, slots.counts_E - 1, kernels=KERNELS)
     one_more_E = slots.counts_E.clone()
     one_more_E[0] += 1  # would read past the sorted slots
     with torch.no_grad(), pytest.raises(ValueError, match="do not add up"):
-        moe.expert_rows(x_TD, weights_TK, slots._replace(counts_E=one_more_E))
+        moe.expert_rows(x_TD, weights_TK, slots._replace(counts_E=one_more_E), kernels=KERNELS)
     with torch.no_grad(), pytest.raises(ValueError, match="outside"):
-        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 21, 1]), 20)
+        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 21, 1]), 20, kernels=KERNELS)
 
 
 @needs_native
@@ -189,9 +192,9 @@ def test_expert_rows_and_their_sum_with_autograd_equal_the_torch_code(padding, m
 
     def forward_backward():
         x = x_TD.clone().requires_grad_()
-        rows = moe.expert_rows(x, weights_TK, slots, block_rows_E)
+        rows = moe.expert_rows(x, weights_TK, slots, block_rows_E, kernels=KERNELS)
         y_RD = rows.x_RD * torch.linspace(0.5, 2.0, rows.x_RD.shape[0])[:, None]  # rows differ, as expert outputs do
-        out_TD = moe.combine_rows(y_RD, rows.token_R, 50)
+        out_TD = moe.combine_rows(y_RD, rows.token_R, 50, kernels=KERNELS)
         (out_TD * grad_seed_TD).sum().backward()
         return out_TD.detach(), x.grad
 
@@ -214,7 +217,7 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
     x_TD, weights_TK, slots = _routed_slots(tokens=50, experts=16, k=4)
     block_rows_E = slots.counts_E.clamp(min=5) if padding else None
     with torch.no_grad():
-        rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E)
+        rows = moe.expert_rows(x_TD, weights_TK, slots, block_rows_E, kernels=KERNELS)
     g = torch.Generator().manual_seed(3)
     y_RD = torch.randn(rows.x_RD.shape[0], width, generator=g) * 3
     weight_R = rows.weight_R.clone()
@@ -227,21 +230,21 @@ def test_weighted_sum_of_rows_equals_the_torch_code_forward_and_backward(padding
 
     def forward_backward():
         y, w = y_RD.clone().requires_grad_("rows" in grads), weight_R.clone().requires_grad_("weights" in grads)
-        out_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50)
+        out_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50, kernels=KERNELS)
         if grads != "none":
             out_TD.backward(grad_seed_TD)
         with torch.no_grad():
-            no_grad_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50)
+            no_grad_TD = moe.combine_weighted_rows(y, w, rows.token_R, 50, kernels=KERNELS)
         return out_TD.detach(), no_grad_TD, y.grad, w.grad
 
     native = forward_backward()
     assert len(served) == 2  # with and without autograd
     with pytest.raises(ValueError, match="outside"):
-        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(3), torch.tensor([0, 21, 1]), 20)
+        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(3), torch.tensor([0, 21, 1]), 20, kernels=KERNELS)
     with pytest.raises(ValueError, match="one token and one weight per row"):
-        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(2), torch.tensor([0, 1, 1]), 20)
+        moe.combine_weighted_rows(torch.randn(3, 24), torch.ones(2), torch.tensor([0, 1, 1]), 20, kernels=KERNELS)
     with pytest.raises(ValueError, match="one token and one weight per row"):
-        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 1]), 20)
+        moe.combine_rows(torch.randn(3, 24), torch.tensor([0, 1]), 20, kernels=KERNELS)
     switch_kernels_off(monkeypatch)
     reference = forward_backward()
     for name, ours, torchs in zip(("values", "values without autograd", "rows' gradient", "weights' gradient"),
@@ -285,7 +288,7 @@ def test_rms_norm_with_autograd_equals_the_torch_composite(width, grads, values,
         with torch.no_grad():
             norm.weight.copy_(weight_D)
         norm.weight.requires_grad_("weight" in grads)
-        y = norm(x) + x * residual_BSD
+        y = norm(x, KERNELS) + x * residual_BSD
         y.backward(grad_BSD)
         return y.detach(), x.grad, norm.weight.grad
 
@@ -319,10 +322,10 @@ def test_rotary_embedding_equals_the_torch_ops_forward_and_backward(layout, monk
     def rotate():
         leaf = source.clone().requires_grad_()
         x_BSHDh = leaf[:, :, 0] if layout != "contiguous" else leaf
-        out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh)
+        out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh, kernels=KERNELS)
         (out * grad_BSHDh).sum().backward()
         with torch.no_grad():
-            no_grad_out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh)
+            no_grad_out = layers.apply_rotary(x_BSHDh, cos_BSDh, sin_BSDh, kernels=KERNELS)
         return out.detach(), no_grad_out, leaf.grad
 
     native_results = rotate()
@@ -399,9 +402,9 @@ def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, m
     mask_B11P = mask_B11P if masked else None
     calls = spy_kernel(monkeypatch, "decode_attention")
     with torch.inference_mode():
-        ours = layers.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P)
-        torchs = layers.decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
-        exact = layers.decode_attention(q_BH1Dh.double(), k_BGPDh.double(), v_BGPDh.double(), mask_B11P)
+        ours = layers.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P, kernels=KERNELS)
+        torchs = layers.decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P, kernels=KERNELS)
+        exact = layers.decode_attention(q_BH1Dh.double(), k_BGPDh.double(), v_BGPDh.double(), mask_B11P, kernels=KERNELS)
     assert calls == [1], "the transposed cache must go to the kernel, the plain one to torch"
     torch_error = (torchs.double() - exact).abs().max().item()
     our_error = (ours.double() - exact).abs().max().item()
@@ -471,9 +474,9 @@ def test_sampler_experts_kernel_agrees_with_the_grouped_path_to_rounding(E, K, D
     experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
     calls = spy_kernel(monkeypatch, "routed_experts")
     with torch.inference_mode():
-        ours = experts(x_TD, weights_TK, ids_TK)
+        ours = experts(x_TD, weights_TK, ids_TK, KERNELS)
     with torch.no_grad():  # the trainer's passes: the grouped path
-        grouped = experts(x_TD, weights_TK, ids_TK)
+        grouped = experts(x_TD, weights_TK, ids_TK, KERNELS)
         exact = _experts_in_float64(experts, x_TD, weights_TK, ids_TK)
     assert calls == [1]
     grouped_error = (grouped.double() - exact).abs().max().item()
@@ -498,7 +501,7 @@ def test_sampler_experts_kernel_serves_only_the_fp32_sampler_at_widths_of_16():
 @needs_native
 def test_sampler_experts_kernel_refuses_slots_outside_the_batch():
     experts, x_TD, weights_TK, ids_TK = _experts_and_routing(8, 2, 64, 32, 10)
-    slots = sort_slots(ids_TK, 8)
+    slots = sort_slots(ids_TK, 8, kernels=KERNELS)
     outside = slots._replace(token_N=slots.token_N.clone().index_fill_(0, torch.tensor([3]), 10))
     with torch.inference_mode(), pytest.raises(ValueError, match="sampler experts kernel"):
         sampler.sampler_experts(x_TD, weights_TK, outside, experts.w_gate_up, experts.w_down)
@@ -516,7 +519,7 @@ def test_the_sampler_experts_kernels_prefetching_changes_no_number(tmp_path, mon
     calls, last_expert_busy, some_expert_idle = [], [], []
     for E, K, D, F, T in ((128, 8, 64, 32, 128), (8, 2, 64, 64, 33), (16, 4, 48, 80, 7)):
         experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
-        slots = sort_slots(ids_TK, E)
+        slots = sort_slots(ids_TK, E, kernels=KERNELS)
         calls.append(lambda experts=experts, x_TD=x_TD, weights_TK=weights_TK, slots=slots: sampler.sampler_experts(
             x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
         last_expert_busy.append(bool(slots.counts_E[-1] > 0))
@@ -541,7 +544,7 @@ def test_the_sampler_kernels_round_alike_in_the_widest_and_the_baseline_build(tm
         getattr(baseline, name).argtypes, getattr(baseline, name).restype = argtypes, ctypes.c_int64
     q_BH1Dh, _, (kt_BGPDh, vt_BGPDh), mask_B11P = _decode_inputs(9, 4, 2, 32, 37, 48)
     experts, x_TD, weights_TK, ids_TK = _experts_and_routing(16, 4, 64, 32, 50)
-    slots = sort_slots(ids_TK, 16)
+    slots = sort_slots(ids_TK, 16, kernels=KERNELS)
 
     def both_kernels():
         with torch.inference_mode():
@@ -567,7 +570,7 @@ def test_the_sampler_kernels_16_and_8_float_versions_round_alike(tmp_path, monke
     cases = []
     for E, K, D, F, T in ((128, 8, 64, 32, 64), (8, 2, 64, 64, 33), (16, 4, 48, 80, 7)):
         experts, x_TD, weights_TK, ids_TK = _experts_and_routing(E, K, D, F, T)
-        slots = sort_slots(ids_TK, E)
+        slots = sort_slots(ids_TK, E, kernels=KERNELS)
         cases.append(lambda experts=experts, x_TD=x_TD, weights_TK=weights_TK, slots=slots: sampler.sampler_experts(
             x_TD, weights_TK, slots, experts.w_gate_up, experts.w_down))
     for B, H, G, Dh, P, max_len in ((64, 4, 2, 16, 48, 80), (7, 4, 2, 48, 33, 40), (3, 8, 2, 32, 16, 16)):

@@ -12,6 +12,8 @@ from moe_rl import kernels
 from moe_rl.kernels import activation, native
 from moe_rl.model.moe import Experts, swiglu, weighted_swiglu
 
+KERNELS = kernels.machine()  # the model functions' fast paths, as a built model's forward hands them down
+
 needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler to build the kernels")
 pytestmark = [pytest.mark.usefixtures("kernels_on"), pytest.mark.numerics, needs_native]
 LANES = {"AVX512": 16, "AVX2": 8, "DEFAULT": 1}.get(torch.backends.cpu.get_cpu_capability())
@@ -40,7 +42,7 @@ def test_the_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, monke
     served = spy_kernel(monkeypatch, "swiglu")
     gate_up_N2F, grad_NF = _gate_up(rows, d_expert), torch.randn(rows, d_expert)
     ours = gate_up_N2F.clone().requires_grad_()
-    hidden_NF = swiglu(ours)
+    hidden_NF = swiglu(ours, kernels=KERNELS)
     hidden_NF.backward(grad_NF)
     theirs = gate_up_N2F.clone().requires_grad_()
     reference_NF = swiglu.reference(theirs)
@@ -48,7 +50,7 @@ def test_the_kernel_gives_torchs_bits_forward_and_backward(d_expert, rows, monke
     assert activation.same_bits(hidden_NF.detach(), reference_NF.detach())
     assert activation.same_bits(ours.grad, theirs.grad)
     with torch.no_grad():
-        assert activation.same_bits(swiglu(gate_up_N2F), reference_NF.detach())
+        assert activation.same_bits(swiglu(gate_up_N2F, kernels=KERNELS), reference_NF.detach())
     assert len(served) == (2 if d_expert in _served_widths() else 0), "the kernel served where it should not, or not"
 
 
@@ -74,7 +76,7 @@ def test_the_weighted_kernel_gives_torchs_bits_forward_and_backward(d_expert, ro
             no_grad_NF = fn(gate_up_N2F, weight_N)
         return out_NF.detach(), no_grad_NF, gate_up.grad, weight.grad
 
-    ours = forward_backward(weighted_swiglu)
+    ours = forward_backward(lambda gate_up, weight: weighted_swiglu(gate_up, weight, kernels=KERNELS))
     theirs = forward_backward(lambda gate_up, weight: swiglu.reference(gate_up) * weight[:, None])
     for name, a, b in zip(("values", "values without autograd", "gate_up's gradient", "weights' gradient"), ours,
                           theirs):
@@ -107,11 +109,11 @@ def test_it_serves_one_torch_thread_only(monkeypatch):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        swiglu(torch.randn(8, 64))
+        swiglu(torch.randn(8, 64), kernels=KERNELS)
         assert served == []
     finally:
         torch.set_num_threads(threads)
-    swiglu(torch.randn(8, 64))
+    swiglu(torch.randn(8, 64), kernels=KERNELS)
     assert len(served) == (1 if 32 in _served_widths() else 0)
 
 
@@ -129,7 +131,7 @@ def test_the_experts_give_the_same_numbers_with_the_kernel_and_without(dispatch,
         experts.zero_grad(set_to_none=True)
         x, weights = x_TD.clone().requires_grad_(), weights_TK.clone().requires_grad_()
         with kernels.forced(swiglu=on):
-            out_TD = experts(x, weights, ids_TK)
+            out_TD = experts(x, weights, ids_TK, KERNELS)
         out_TD.square().sum().backward()
         return out_TD.detach(), x.grad, weights.grad, experts.w_gate_up.grad, experts.w_down.grad
 

@@ -211,12 +211,12 @@ def test_a_decode_step_without_padding_skips_the_mask_and_gives_the_masked_numbe
 
     masks, masked_attention = [], layers.decode_attention
 
-    def attention_checking_the_mask(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P):
+    def attention_checking_the_mask(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P, kernels=None):
         masks.append(mask_B11P)
-        out = masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P)
+        out = masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P, kernels=kernels)
         if mask_B11P is None:
             all_true_B11P = torch.ones(k_BGPDh.shape[0], 1, 1, k_BGPDh.shape[2], dtype=torch.bool)
-            assert torch.equal(out, masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P))
+            assert torch.equal(out, masked_attention(q_BH1Dh, k_BGPDh, v_BGPDh, all_true_B11P, kernels=kernels))
         return out
 
     monkeypatch.setattr(layers, "decode_attention", attention_checking_the_mask)

@@ -11,11 +11,10 @@ import torch
 from conftest import metric_lines, sample_and_refit, tiny_model, tiny_train_config
 
 from moe_rl.commands.train import train
-from moe_rl.model import precision
+from moe_rl.model import moe, precision
 from moe_rl.model.precision import (
     FP8_MAX,
     engine_products,
-    engine_router_dtype,
     fp8_parameters,
     fp8_round_trip,
     fp8_weights,
@@ -69,7 +68,6 @@ def test_engine_arms_are_ordered_by_their_precision():
     fp8, fp8_gap = sample_and_refit("fp8")
     assert exact_gap < 1e-5 < fp16_gap < bf16_gap < fp8_gap  # 10 mantissa bits, then 7, then 3 for the matrices
     assert fp16.set_change <= bf16.set_change < fp8.set_change < 0.5
-    assert engine_router_dtype() is None
 
 
 @pytest.mark.parametrize("routing_mode", ["native", "R2", "R3"])
@@ -119,7 +117,7 @@ def test_engine_products_are_fp32_products_of_the_rounded_operands_rounded_once(
         "grouped": torch.cat([x.float() @ w_EDF[e].float() for e, x in enumerate(x_ND.split(counts_E.tolist()))]
                              ).bfloat16(),
     }
-    with torch.inference_mode(), engine_products():
+    with torch.inference_mode(), engine_products(moe.grouped_mm):
         got = {
             "mm": torch.mm(a_MK, b_KN),
             "linear": torch.nn.functional.linear(a_MK, b_KN.T, bias_N),
@@ -137,7 +135,7 @@ def test_engine_products_round_like_torchs_bf16_kernels_but_for_rare_one_ulp_tie
     fp32 summation orders straddle a bf16 rounding boundary), and there by one bf16 ulp at most."""
     a_MK, b_KN = _bf16_operands((512, 64), (64, 128), seed=3)
     torch_bf16 = a_MK @ b_KN
-    with engine_products():
+    with engine_products(moe.grouped_mm):
         ours = a_MK @ b_KN
     differ = ours != torch_bf16
     assert differ.float().mean().item() < 1e-3
@@ -148,7 +146,7 @@ def test_engine_products_round_like_torchs_bf16_kernels_but_for_rare_one_ulp_tie
 def test_engine_products_leave_fp32_and_other_ops_alone():
     a_MK, b_KN = torch.randn(8, 16), torch.randn(16, 4)
     (c_MK,) = _bf16_operands((8, 16))
-    with engine_products():
+    with engine_products(moe.grouped_mm):
         assert torch.equal(a_MK @ b_KN, torch.mm(a_MK, b_KN))  # fp32: torch's own
         assert torch.equal(torch.nn.functional.silu(c_MK), torch.nn.functional.silu(c_MK))
         assert torch.nn.functional.silu(c_MK).dtype == torch.bfloat16
@@ -175,8 +173,28 @@ def test_the_bf16_sampler_samples_like_torchs_bf16_autocast(monkeypatch):
     assert (greedy() == ours).float().mean().item() >= 0.95
 
 
-def test_the_engine_groups_through_the_models_grouped_product():
-    """The engine's grouped products run through moe.grouped_mm (the fp32 CPU kernels), not torch's per-expert loop."""
-    from moe_rl.model import moe
+def test_the_engine_groups_through_the_models_grouped_product_with_the_models_kernels(monkeypatch):
+    """The engine's grouped products run through moe.grouped_mm with the model's own kernel set (the fp32 CPU
+    kernels), not torch's per-expert loop."""
+    model = tiny_model(n_layers=1, dispatch="grouped_mm").eval()
+    calls = []
+    monkeypatch.setattr(precision, "grouped_mm", lambda *args, **kwargs: calls.append(kwargs) or moe.grouped_mm(
+        *args, **kwargs))
+    with torch.inference_mode(), sampler_numerics(model, torch.device("cpu"), "bf16") as numerics:
+        model(torch.randint(1, model.cfg.vocab_size, (4, 6)), numerics=numerics)
+    assert calls and all(kwargs["kernels"] is model.kernels for kwargs in calls)
 
-    assert precision._grouped_product["fp32"] is moe.grouped_mm
+
+def test_the_engine_router_dtype_reaches_the_router_as_an_argument():
+    """sampler_numerics yields the Numerics a forward passes down; the router computes its gate in the dtype it is
+    handed, and in fp32 without one (nothing is left behind in a module for later forwards)."""
+    model = tiny_model(n_layers=1).eval()
+    with sampler_numerics(model, torch.device("cpu"), "bf16") as numerics:
+        assert numerics.router_dtype == torch.bfloat16 and numerics.kernels is model.kernels
+    with sampler_numerics(model, torch.device("cpu"), "trainer") as numerics:
+        assert numerics.router_dtype is None
+    router, x_TD = model.moe_layers()[0].router, torch.randn(5, model.cfg.d_model)
+    w = router.gate.weight
+    engine = router(x_TD, router_dtype=torch.bfloat16).logits_TE
+    assert torch.equal(engine, torch.nn.functional.linear(x_TD.bfloat16(), w.bfloat16()).float())
+    assert torch.equal(router(x_TD).logits_TE, torch.nn.functional.linear(x_TD, w))

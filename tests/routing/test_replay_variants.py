@@ -9,9 +9,10 @@ from conftest import metric_lines, tiny_model, tiny_train_config
 
 from moe_rl.commands.train import check_inputs, train
 from moe_rl.errors import ConfigError, RoutingError
+from moe_rl.model.moe import topk_margin_T
 from moe_rl.rl.rollout import SamplingConfig
 from moe_rl.rl.run_config import RolloutConfig
-from moe_rl.routing.replay import ReplayConfig, record_routing, replay_routing, topk_margin_T
+from moe_rl.routing.replay import ReplayConfig, record_routing, replay_routing
 from moe_rl.routing.trace import RoutingTrace
 
 

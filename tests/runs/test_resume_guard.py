@@ -141,7 +141,7 @@ def test_latest_deleted_beside_kept_checkpoints_is_refused_then_resume_from_cont
     newest = run / "checkpoints" / "step_000004.pt"
     for extra in (["--resume"], []):  # without --resume it used to start over, deleting both kept checkpoints
         assert_refused(resume(run, *extra), run, before, "latest.pt is gone but step_000002.pt, step_000004.pt "
-                       f"remain", f"--resume-from {newest}")
+                       "remain", f"--resume-from {newest}")
     older = run / "checkpoints" / "step_000002.pt"
     assert_refused(resume(run, "--resume-from", older), run, before, "holds newer checkpoints (step_000004.pt)")
     assert_refused(resume(run, "--resume-from", made / "checkpoints" / "step_000004.pt"), run, before,

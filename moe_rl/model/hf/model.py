@@ -131,9 +131,12 @@ class HFMoEModel(nn.Module):
         input_ids_BS: torch.Tensor,
         valid_BP: torch.Tensor | None = None,
         cache: HFKVCache | None = None,
+        numerics=None,
     ) -> ModelOutput:
         """Run S new tokens. `valid_BP` marks real tokens over the cached positions followed by these S; padding
-        may sit on either side. Positions count real tokens only, as in the native model."""
+        may sit on either side. Positions count real tokens only, as in the native model. `numerics` (the
+        sampler's precision.Numerics) is not read: the family's routers are transformers' own, and an emulated
+        engine reaches them through the sampler's autocast only."""
         B, S = input_ids_BS.shape
         if valid_BP is None:
             past = cache.length if cache is not None else 0

@@ -77,7 +77,8 @@ class HFRouterSite:
                                "HFMoEModel, not the HF model it wraps")
         logits_TE, weights_TK, native_ids_TK = output
         B, S = self.shape_BS
-        replay_TK = session.replay_ids(self.moe_index, B, S) if session is not None else None
+        replay = session.replay_inputs(self.moe_index, B, S) if session is not None else None
+        replay_TK = None if replay is None else replay.ids_TK
         ids_TK = native_ids_TK
         if replay_TK is not None:
             ids_TK = replay_TK.to(native_ids_TK.device).long()
