@@ -1,0 +1,95 @@
+"""Nothing lost, round three (issue 50, the inputs half): task files, CLI values, model folders, engine traces, the
+kernel cache, pipes and full disks, each tried the way a user would misuse them, through the real `moe-rl` command
+(in this process through `moe_rl.cli.main`, or as a process where pipes are the point) or the real function.
+
+Every refusal is one line on stderr naming the field or file and what is allowed, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+        "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
+TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
+         "--rollout.sampling.max-new-tokens", "4", "--quiet", "--total-steps", "1"]
+SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "6", "--steps", "1",
+       "--quiet"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+       "PYTHONWARNINGS": "ignore::SyntaxWarning"}
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `moe-rl argv` through the entry point, in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def refused(result, *named: str) -> str:
+    """The one line of a refusal (exit 2, no traceback), checked to contain each of `named`."""
+    code, out, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, (code, err)
+    for text in named:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+PROBLEMS = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(12)]
+
+
+# --- item 6 and item 12: task files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["path", "eval-path"])
+def test_a_task_path_without_the_file_source_is_refused_not_ignored(tmp_path, field):
+    data = jsonl(tmp_path / "f.jsonl", PROBLEMS)
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run", f"--task.{field}", data),
+            f"task.{field.replace('-', '_')}=", "task.source='reasoning_gym'", "--task.source file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.jsonl"]
+
+
+@pytest.mark.parametrize("text", [json.dumps(PROBLEMS, indent=2), json.dumps(PROBLEMS) + "\n",
+                                  json.dumps(PROBLEMS[0], indent=2)])
+def test_a_json_array_or_pretty_printed_task_file_says_json_means_json_lines(tmp_path, text):
+    (tmp_path / "f.json").write_text(text)
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--task.source", "file", "--task.path", tmp_path / "f.json"),
+            f"{tmp_path / 'f.json'}, line 1", "JSON Lines, one JSON object per line")
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_path_equal_to_path_is_refused(tmp_path, monkeypatch):
+    """Refused, not warned: every eval problem would be a training problem, so every held-out number of the run
+    would be a training number, and a warning scrolls away while the run's tables still say "eval"."""
+    monkeypatch.chdir(tmp_path)
+    jsonl(tmp_path / "f.jsonl", PROBLEMS)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "f.jsonl")
+    for spelling in ("./f.jsonl", tmp_path / "link.jsonl"):
+        refused(cli(*TRAIN, "--out-dir", "run", "--task.source", "file", "--task.path", "f.jsonl",
+                    "--task.eval-path", spelling), "task.eval_path=", "is the same file as task.path")
+    assert not (tmp_path / "run").exists()
