@@ -93,3 +93,70 @@ def test_eval_path_equal_to_path_is_refused(tmp_path, monkeypatch):
         refused(cli(*TRAIN, "--out-dir", "run", "--task.source", "file", "--task.path", "f.jsonl",
                     "--task.eval-path", spelling), "task.eval_path=", "is the same file as task.path")
     assert not (tmp_path / "run").exists()
+
+
+# --- item 8: a closed stdout does not fail the run -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_reader_that_closes_the_pipe_early_does_not_fail_the_run(tmp_path, command):
+    """`moe-rl train ... | head -1`: a real pipe, closed after the first line; the run finishes, exit 0."""
+    run = tmp_path / "run"
+    argv = [*TRAIN[:-3], "--total-steps", "4"] if command == "train" else [*SFT[:-3], "--steps", "4",
+                                                                             "--print-every", "1"]
+    child = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", *argv, "--out-dir", str(run)], cwd=tmp_path,
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = child.stdout.readline()
+    child.stdout.close()  # what `head -1` does
+    err = child.stderr.read()
+    assert child.wait(timeout=300) == 0, err
+    assert first.startswith("step 1/4") and "Traceback" not in err and "BrokenPipe" not in err, err
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+
+
+def test_a_run_whose_manifest_says_failed_exits_non_zero(tmp_path):
+    from moe_rl.cli import _exit_status
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "failed", "reason": "BrokenPipeError"}))
+    assert _exit_status(tmp_path) == 1
+    (tmp_path / "manifest.json").write_text(json.dumps({"status": "finished"}))
+    assert _exit_status(tmp_path) == 0
+
+
+# --- item 9: a full disk during a checkpoint save -------------------------------------------------------------------
+
+
+class _FullDisk(io.FileIO):
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_named_and_latest_stays(tmp_path, monkeypatch):
+    """The write of the second latest.pt fails with ENOSPC inside torch.save (which turns it into a RuntimeError
+    about inline_container.cc): one line naming the file, the manifest says the same, latest.pt still holds step 1,
+    no temp file is left, and --resume continues once there is space."""
+    import moe_rl.runs.atomic as atomic
+
+    real, saves = atomic.open_temp, []
+
+    def full_at_second_checkpoint(fd, path):
+        if Path(path).name == "latest.pt":
+            saves.append(path)
+            if len(saves) == 2:
+                return _FullDisk(fd, "wb")
+        return real(fd, path)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(atomic, "open_temp", full_at_second_checkpoint)
+    argv = [*TRAIN[:-2], "--total-steps", "3", "--checkpoint-every", "1", "--out-dir", run]
+    line = refused(cli(*argv), f"no space left on device while saving {run / 'checkpoints' / 'latest.pt'}", "--resume")
+    assert "inline_container" not in line
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "no space left on device while saving" in manifest["reason"]
+    assert "inline_container" not in manifest["reason"]
+    assert torch.load(run / "checkpoints" / "latest.pt", weights_only=True)["step"] == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.pt"]
+    monkeypatch.setattr(atomic, "open_temp", real)
+    code, _, err = cli(*argv, "--resume")
+    assert code == 0, err
