@@ -160,3 +160,51 @@ def test_a_full_disk_while_saving_a_checkpoint_is_named_and_latest_stays(tmp_pat
     monkeypatch.setattr(atomic, "open_temp", real)
     code, _, err = cli(*argv, "--resume")
     assert code == 0, err
+
+
+# --- item 10: a corrupt cached kernel library -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """An empty kernel cache folder and a fake compiler that 'builds' by copying this machine's compiled library, so
+    the rebuild path runs without a real compile; native.library() is computed afresh inside the test and after it."""
+    from moe_rl.kernels import native
+
+    if native.library() is None:
+        pytest.skip("no C kernels on this machine")
+    good = native.build(native.ISA_CAPS[native.isa_cap()])
+    compiler = tmp_path / "fake-cc"
+    compiler.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp "{good}" "$2"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    native.library.cache_clear()
+    cached = native.cache_folder() / good.name
+    cached.parent.mkdir(parents=True)
+    yield cached, good
+    native.library.cache_clear()
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x7fELF" + os.urandom(200), b"not a library\n"])
+def test_a_corrupt_cached_kernel_library_is_rebuilt_once(kernel_cache, capsys, damage):
+    from moe_rl.kernels import native
+
+    cached, good = kernel_cache
+    cached.write_bytes(damage)
+    assert native.library() is not None and native.why_none() == ""
+    assert cached.read_bytes() == good.read_bytes()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_rebuild_of_a_corrupt_kernel_library_is_said(kernel_cache, capsys, monkeypatch):
+    from moe_rl.kernels import native
+
+    cached, _ = kernel_cache
+    cached.write_bytes(b"")
+    monkeypatch.setenv("CC", "false")
+    assert native.library() is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the cached kernel library {cached} does not load" in err
+    assert "building it again failed (false exited with status 1)" in err and "torch code runs instead" in err
+    assert "does not load" in native.why_none() and "no C kernels built" not in native.why_none()
