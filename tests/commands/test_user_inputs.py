@@ -208,3 +208,39 @@ def test_a_failed_rebuild_of_a_corrupt_kernel_library_is_said(kernel_cache, caps
     assert err.count("\n") == 1 and f"the cached kernel library {cached} does not load" in err
     assert "building it again failed (false exited with status 1)" in err and "torch code runs instead" in err
     assert "does not load" in native.why_none() and "no C kernels built" not in native.why_none()
+
+
+# --- item 11: a model vocabulary the task tokenizer does not cover ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_without_tokenizer(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint directory with a 128-token vocabulary and no tokenizer files."""
+    pytest.importorskip("transformers")
+    from moe_rl.model import ModelConfig
+    from moe_rl.model.hf import build_hf_model
+
+    path = tmp_path_factory.mktemp("hf") / "qwen"
+    model = build_hf_model(ModelConfig(backend="hf", hf_config="qwen3_moe", d_model=32, n_layers=2, n_heads=4,
+                                       n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64, vocab_size=128))
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+        model.hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_an_hf_folder_without_tokenizer_whose_vocabulary_differs_is_refused_at_set_up(hf_without_tokenizer,
+                                                                                       tmp_path, command):
+    argv = ["train", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--minibatches", "1",
+            "--total-steps", "1"] if command == "train" else ["sft", "--steps", "1", "--batch-size", "2"]
+    refused(cli(*argv, "--model.backend", "hf", "--model.hf-path", hf_without_tokenizer, "--out-dir",
+                tmp_path / "run", "--quiet"),
+            f"hf_path={hf_without_tokenizer}: the directory has no tokenizer files", "(99 ids)", "vocab_size is 128")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_native_vocabulary_larger_than_the_tokenizer_is_refused(tmp_path):
+    """It used to crash in the first rollout: `token id 123 is outside the vocabulary [0, 99)`."""
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--model.vocab-size", "128"),
+            "model.vocab_size=128 is larger than the tokenizer's vocabulary (99 tokens)", "--model.vocab-size 99")
+    assert not (tmp_path / "run").exists()
