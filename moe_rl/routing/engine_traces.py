@@ -93,7 +93,19 @@ def read_engine_trace(path: str | Path) -> list[EngineRequest]:
     requests = [_checked(path, request) for request in reader(path)]
     if not requests:
         raise DataError(f"{path} holds no requests: nothing to compare")
+    _check_unique_ids(path, requests)
     return requests
+
+
+def _check_unique_ids(path: Path, requests: list[EngineRequest]) -> None:
+    """Refuse two requests with one request_id: the per-request rows of the comparison would be ambiguous, and a
+    trace written twice into one file (or two engines' traces concatenated) would count every token twice."""
+    first: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        seen = first.setdefault(request.request_id, index)
+        if seen != index:
+            raise DataError(f"{path}: request_id {request.request_id!r} appears twice (entries {seen} and {index}); "
+                            "each request of a trace needs its own id")
 
 
 def write_engine_trace(path: str | Path, requests: list[EngineRequest]) -> Path:

@@ -244,3 +244,19 @@ def test_a_native_vocabulary_larger_than_the_tokenizer_is_refused(tmp_path):
     refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--model.vocab-size", "128"),
             "model.vocab_size=128 is larger than the tokenizer's vocabulary (99 tokens)", "--model.vocab-size 99")
     assert not (tmp_path / "run").exists()
+
+
+# --- item 12: engine traces -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".parquet"])
+def test_a_trace_with_two_requests_of_one_id_is_refused(tmp_path, suffix):
+    from moe_rl.routing.engine_traces import EngineRequest, write_engine_trace
+
+    ids_RLK = np.zeros((4, 2, 2), np.int16)
+    ids_RLK[..., 1] = 1
+    requests = [EngineRequest(rid, [5, 6, 7], [8, 9], ids_RLK) for rid in ("a", "b", "a")]
+    trace = write_engine_trace(tmp_path / f"trace{suffix}", requests)
+    refused(cli("probe", *TINY, "--trace", trace, "--out", tmp_path / "p"),
+            f"{trace}: request_id 'a' appears twice (entries 0 and 2)")
+    assert not (tmp_path / "p").exists()
