@@ -148,7 +148,8 @@ def _fused_adamw_supported(params) -> bool:
 
 def check_task_fits(cfg: ModelConfig, tokenizer, task, max_new_tokens: int, probe: int = 64) -> None:
     """Refuse, before anything is written, a model whose vocabulary is not the tokenizer's, or whose
-    max_seq_len cannot hold a prompt (of the first `probe` training and held-out problems) plus a response."""
+    max_seq_len cannot hold a prompt (of every row of a file task; of the first `probe` training and held-out
+    problems of a generator) plus a response."""
     if cfg.hf_path is not None:  # a checkpoint directory's own config sets its vocabulary and context, not ours
         _check_hf_vocab_decodes(cfg, tokenizer)
         return
@@ -160,7 +161,9 @@ def check_task_fits(cfg: ModelConfig, tokenizer, task, max_new_tokens: int, prob
                           f"({tokenizer.vocab_size} tokens): the model would sample ids no text has; use "
                           f"--model.vocab-size {tokenizer.vocab_size}")
     for split in ("train", "eval"):
-        for problem in task.problems(split, 0, min(probe, task.num_problems(split) or probe)):
+        # Every row of a file (a long prompt at row 5000 would otherwise fail when the sampler reaches it); the first
+        # `probe` problems of an unbounded generator, whose prompts share one format.
+        for problem in task.problems(split, 0, task.num_problems(split) or probe):
             need = 1 + len(tokenizer.encode(problem.prompt)) + max_new_tokens  # BOS, prompt, response
             if need > cfg.max_seq_len:
                 raise ConfigError(

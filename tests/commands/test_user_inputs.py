@@ -260,3 +260,44 @@ def test_a_trace_with_two_requests_of_one_id_is_refused(tmp_path, suffix):
     refused(cli("probe", *TINY, "--trace", trace, "--out", tmp_path / "p"),
             f"{trace}: request_id 'a' appears twice (entries 0 and 2)")
     assert not (tmp_path / "p").exists()
+
+
+# --- further cases nobody listed ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, named", [
+    ("sidecar not JSON", "t.json: the sidecar of t.npy cannot be read as JSON"),
+    ("sidecar a list", "t.json: expected a JSON object with request_id"),
+    ("object array", "t.npy cannot be read as a .npy integer array (Object arrays cannot be loaded"),
+    ("cut short", "t.npy cannot be read as a .npy integer array (EOF"),
+    ("ids as text", "t.npy: entry 0: prompt_token_ids must be a list of integer token ids"),
+])
+def test_a_broken_npy_trace_or_sidecar_is_one_line(tmp_path, case, named):
+    ids_RLK = np.zeros((4, 2, 2), np.int16)
+    ids_RLK[..., 1] = 1
+    sidecar = {"request_id": "a", "prompt_token_ids": [5, 6, 7], "output_token_ids": [8, 9]}
+    np.save(tmp_path / "t.npy", ids_RLK)
+    if case == "sidecar not JSON":
+        (tmp_path / "t.json").write_text("{request_id: a")
+    elif case == "sidecar a list":
+        (tmp_path / "t.json").write_text("[5, 6, 7]")
+    else:
+        (tmp_path / "t.json").write_text(json.dumps({**sidecar, "prompt_token_ids": "5 6 7"} if case == "ids as text"
+                                                    else sidecar))
+    if case == "object array":
+        np.save(tmp_path / "t.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    elif case == "cut short":
+        (tmp_path / "t.npy").write_bytes((tmp_path / "t.npy").read_bytes()[:90])
+    refused(cli("probe", *TINY, "--trace", tmp_path / "t.npy", "--out", tmp_path / "p"), named)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_long_prompt_deep_in_a_task_file_is_refused_at_set_up(tmp_path):
+    """check_task_fits looked at the first 64 problems only: a file's long prompt further down crashed the run when
+    the sampler reached it. Every row of a file is checked now."""
+    rows = [*PROBLEMS * 100, {"prompt": "1+" * 40 + "1=", "answer": "41"}]
+    data = jsonl(tmp_path / "f.jsonl", rows)
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--task.source", "file", "--task.path", data,
+                "--task.eval-fraction", "0.01", "--model.max-seq-len", "48"),
+            "model.max_seq_len=48 is too short", "takes 83 tokens")
+    assert not (tmp_path / "run").exists()
