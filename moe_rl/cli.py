@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
         cfg = _parse(tyro, config_class, rest, name, defaults, module_doc + (CONFIG_FILE_HELP if takes_file else ""))
+        _check_environment()
         running = True
         result = run(cfg)
     except USER_ERRORS as err:
@@ -147,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
+
+
+def _check_environment() -> None:
+    """The environment variables a command reads mid-run, checked before it writes anything: MOE_RL_ISA (read when
+    the manifest records the kernels)."""
+    from moe_rl.kernels import native
+
+    native.isa_cap()
 
 
 def _parse(tyro, config_class, args: list[str], name: str, defaults, description: str):

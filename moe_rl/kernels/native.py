@@ -65,7 +65,9 @@ def isa_cap() -> str:
     """MOE_RL_ISA, checked: avx512 (default), avx2 or baseline."""
     cap = os.environ.get("MOE_RL_ISA", "avx512").strip().lower() or "avx512"
     if cap not in ISA_CAPS:
-        raise ValueError(f"MOE_RL_ISA={cap!r}: must be one of {', '.join(ISA_CAPS)}")
+        from moe_rl.errors import ConfigError  # a ValueError: one line from the command, before anything is written
+
+        raise ConfigError(f"MOE_RL_ISA={cap!r}: must be one of {', '.join(ISA_CAPS)} (an environment variable)")
     return cap
 
 

@@ -301,3 +301,48 @@ def test_a_long_prompt_deep_in_a_task_file_is_refused_at_set_up(tmp_path):
                 "--task.eval-fraction", "0.01", "--model.max-seq-len", "48"),
             "model.max_seq_len=48 is too short", "takes 83 tokens")
     assert not (tmp_path / "run").exists()
+
+
+class _FillsUp(io.StringIO):
+    """metrics.jsonl on a disk that fills up after `room` lines: the flush of the next one fails with ENOSPC, and so
+    does the flush at close (as a real file's would), since the line is still in the buffer."""
+
+    def __init__(self, path, room: int):
+        super().__init__()
+        self.file, self.room, self.written = open(path, "a", encoding="utf-8"), room, 0
+
+    def flush(self):
+        if self.written + self.getvalue().count("\n") > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.written += self.getvalue().count("\n")
+        self.file.write(self.getvalue())
+        self.file.flush()
+        self.seek(0)
+        self.truncate()
+
+    def fileno(self):
+        return self.file.fileno()
+
+    def close(self):
+        try:
+            self.flush()
+        finally:
+            self.file.close()
+
+
+def test_a_full_disk_while_appending_metrics_names_the_file(tmp_path, monkeypatch):
+    """It was 'No space left on device' without the file; the buffered rest must not fail again at close."""
+    import moe_rl.runs.jsonlog as jsonlog
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(jsonlog, "open", lambda path, *a, **k: _FillsUp(path, room=2), raising=False)
+    refused(cli(*TRAIN[:-2], "--total-steps", "3", "--out-dir", run),
+            f"no space left on device while saving {run / 'metrics.jsonl'}")
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+
+
+def test_a_bad_moe_rl_isa_is_one_line_before_the_run_directory_is_made(tmp_path, monkeypatch):
+    """It was a ValueError traceback from inside the manifest's writer, after the run directory was claimed."""
+    monkeypatch.setenv("MOE_RL_ISA", "sse9")
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run"), "MOE_RL_ISA='sse9': must be one of avx512, avx2, baseline")
+    assert not (tmp_path / "run").exists()
