@@ -346,3 +346,20 @@ def test_a_bad_moe_rl_isa_is_one_line_before_the_run_directory_is_made(tmp_path,
     monkeypatch.setenv("MOE_RL_ISA", "sse9")
     refused(cli(*TRAIN, "--out-dir", tmp_path / "run"), "MOE_RL_ISA='sse9': must be one of avx512, avx2, baseline")
     assert not (tmp_path / "run").exists()
+
+
+def test_probe_into_a_closed_pipe_writes_its_table_and_exits_0(tmp_path):
+    """`moe-rl probe ... | head -0`: the reader is gone before the table is printed; probe.json is written first, so
+    the command succeeded (it used to exit 0 by luck; a closed pipe in the middle of a run now exits 1)."""
+    from moe_rl.routing.engine_traces import EngineRequest, write_engine_trace
+
+    ids_RLK = np.zeros((4, 2, 2), np.int16)
+    ids_RLK[..., 1] = 1
+    trace = write_engine_trace(tmp_path / "t.pt", [EngineRequest("a", [5, 6, 7], [8, 9], ids_RLK)])
+    child = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "probe", *TINY, "--trace", str(trace), "--out",
+                              str(tmp_path / "p")], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    child.stdout.close()
+    err = child.stderr.read()
+    assert child.wait(timeout=300) == 0 and err == "", err
+    assert json.loads((tmp_path / "p" / "probe.json").read_text())["rows"]
