@@ -12,7 +12,6 @@ import errno
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
