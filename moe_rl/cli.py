@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_rl.errors import USER_ERRORS, ConfigError
+from moe_rl.errors import USER_ERRORS, ConfigError, DiskFullError
 
-# Exit statuses: 0 done, 1 a sweep with a failed run, 2 a user error (one line on stderr), 3 the run diverged,
+# Exit statuses: 0 done, 1 a failed run (or a sweep with one), 2 a user error (one line on stderr), 3 the run diverged,
 # 130 / 143 stopped by SIGINT / SIGTERM (status interrupted; the last line says how to resume).
-EXIT_USER_ERROR, EXIT_DIVERGED = 2, 3
+EXIT_FAILED, EXIT_USER_ERROR, EXIT_DIVERGED = 1, 2, 3
 CONFIG_FILE_HELP = """
 config file (train, sft):
   --config-file PATH, --config-file=PATH
@@ -109,15 +109,29 @@ def main(argv: list[str] | None = None) -> int:
     config_class, run = COMMANDS[name].load()
     module_doc = sys.modules[getattr(run, "func", run).__module__].__doc__
     takes_file = name in ("train", "sft")
+    running = False
     try:
         rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
         cfg = _parse(tyro, config_class, rest, name, defaults, module_doc + (CONFIG_FILE_HELP if takes_file else ""))
+        _check_environment()
+        running = True
         result = run(cfg)
     except USER_ERRORS as err:
         print(f"moe-rl {name}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except BrokenPipeError:  # the reader went away (`moe-rl train --help | head`): nothing left to say
-        return 0
+    except BrokenPipeError:  # the reader went away: after `--help | head` nothing is lost; during a command it failed
+        from moe_rl.runs.progress import say, silence
+
+        silence(sys.stdout)
+        if not running:
+            return 0
+        say(f"moe-rl {name}: error: the output pipe was closed before the command finished", err=True)
+        return EXIT_FAILED
+    except DiskFullError as err:  # the file being replaced is intact (moe_rl.runs.atomic)
+        resume = "; train continues from its checkpoint with --resume" if name == "train" else ""
+        print(f"moe-rl {name}: error: {err} (free some space, then run the same command again{resume})",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
     except OSError as err:  # the file system mid-run: permissions, no space left (the run is marked failed)
         where = f"{err.filename}: " if err.filename else ""
         print(f"moe-rl {name}: error: {where}{err.strerror or err} (a file system error: fix it, e.g. permissions or "
@@ -134,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
+
+
+def _check_environment() -> None:
+    """The environment variables a command reads mid-run, checked before it writes anything: MOE_RL_ISA (read when
+    the manifest records the kernels)."""
+    from moe_rl.kernels import native
+
+    native.isa_cap()
 
 
 def _parse(tyro, config_class, args: list[str], name: str, defaults, description: str):
@@ -182,8 +204,8 @@ def _is_rule(line: str) -> bool:
 
 
 def _exit_status(run_dir) -> int:
-    """From the status in a run directory's manifest.json: 3 diverged, 128 + the signal interrupted (130 SIGINT,
-    143 SIGTERM), else 0 (also when there is no manifest to read, e.g. on a rank > 0)."""
+    """From the status in a run directory's manifest.json: 1 failed, 3 diverged, 128 + the signal interrupted (130
+    SIGINT, 143 SIGTERM), else 0 (also when there is no manifest to read, e.g. on a rank > 0)."""
     import json
     from pathlib import Path
 
@@ -194,7 +216,7 @@ def _exit_status(run_dir) -> int:
         return 0
     if status == "interrupted":
         return _signal_exit_status((manifest.get("interrupted") or {}).get("signal") or "SIGINT")
-    return EXIT_DIVERGED if status == "diverged" else 0
+    return {"diverged": EXIT_DIVERGED, "failed": EXIT_FAILED}.get(status, 0)
 
 
 def _out_of_memory(err: BaseException) -> bool:

@@ -19,6 +19,20 @@ class RoutingError(ValueError):
     """A routing trace does not fit the model it is replayed on. The message names the layer."""
 
 
+class DiskFullError(OSError):
+    """The file system ran out of space while a file was written: `str()` is "no space left on device while saving
+    <file>" (the file is the one that was being replaced; the old one, if any, is intact)."""
+
+    def __init__(self, path) -> None:
+        import errno
+
+        super().__init__(errno.ENOSPC, f"no space left on device while saving {path}")
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 # Errors that are the user's input, not a bug: printed as one line, exit status 2. FileNotFoundError covers a missing
 # data file and a resume with nothing to resume; FileExistsError a run directory that is already used.
 USER_ERRORS = (ConfigError, DataError, RoutingError, FileNotFoundError, FileExistsError)

@@ -37,6 +37,7 @@ from moe_rl.rl.overrides import Assignments, from_dict, parse_assignments, with_
 from moe_rl.rl.rollout import SamplingConfig
 from moe_rl.rl.run_config import Device
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, load_checkpoint
+from moe_rl.runs.progress import say
 from moe_rl.runs.runlog import read_config
 from moe_rl.tasks import TaskConfig, build_task
 from moe_rl.tasks.gym import HELD_OUT_RESERVE
@@ -153,7 +154,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
               "heldout": {"sampled": {"temperature": best, **asdict(sampled)}, "greedy": asdict(argmax)}}
     out = Path(cfg.out) if cfg.out else run / "evaluate"
     write_result(out, result)
-    print(format_result(result, out))
+    say(format_result(result, out))  # written already: a reader that went away loses only this printout
     return result
 
 

@@ -56,6 +56,7 @@ from moe_rl.routing.margins import LOW_MARGIN_QUANTILE, MARGIN_THRESHOLDS, margi
 from moe_rl.routing.mode import ModeName
 from moe_rl.routing.trace import RoutingTrace
 from moe_rl.runs.checkpoint import load_checkpoint
+from moe_rl.runs.progress import say
 from moe_rl.tasks import TaskConfig
 
 
@@ -194,7 +195,7 @@ def probe(cfg: ProbeCommandConfig) -> list[dict]:
         rows = probe_trace(cfg, device) if cfg.trace is not None else probe_updates(cfg, device)
         if distributed.is_main():
             write_rows(Path(cfg.out), rows, cfg)
-            print(format_table(rows))
+            say(format_table(rows))  # written already: a reader that went away loses only this printout
     return rows
 
 

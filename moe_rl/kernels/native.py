@@ -65,7 +65,9 @@ def isa_cap() -> str:
     """MOE_RL_ISA, checked: avx512 (default), avx2 or baseline."""
     cap = os.environ.get("MOE_RL_ISA", "avx512").strip().lower() or "avx512"
     if cap not in ISA_CAPS:
-        raise ValueError(f"MOE_RL_ISA={cap!r}: must be one of {', '.join(ISA_CAPS)}")
+        from moe_rl.errors import ConfigError  # a ValueError: one line from the command, before anything is written
+
+        raise ConfigError(f"MOE_RL_ISA={cap!r}: must be one of {', '.join(ISA_CAPS)} (an environment variable)")
     return cap
 
 
@@ -91,15 +93,51 @@ def source_hash() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
+_why_none: list[str] = []  # why library() is None, once it has been asked
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels with their signatures set, or None (no compiler, a failed build, or switched off)."""
+    """The compiled kernels with their signatures set, or None (no compiler, a failed build, or switched off; see
+    `why_none`). A cached library that does not load (empty, cut short by a full disk or a killed copy, another
+    build's file) is deleted and built again, once; if that fails too, a line on stderr says so."""
     if os.environ.get("MOE_RL_NATIVE", "1") == "0" or sys.platform == "win32":
-        return None
+        return _none("switched off (MOE_RL_NATIVE=0)")
+    flag_sets = ISA_CAPS[isa_cap()]
     try:
-        return load(build(ISA_CAPS[isa_cap()]))
-    except (OSError, subprocess.SubprocessError):
-        return None
+        built = build(flag_sets)
+    except (OSError, subprocess.SubprocessError) as err:
+        return _none(f"no C kernels built ({_first_line(err)})")
+    try:
+        return load(built)
+    except (OSError, AttributeError) as err:
+        broken = f"the cached kernel library {built} does not load ({_first_line(err)})"
+    built.unlink(missing_ok=True)
+    try:
+        return load(build(flag_sets))
+    except (OSError, AttributeError, subprocess.SubprocessError) as err:
+        reason = f"{broken}, and building it again failed ({_first_line(err)})"
+        print(f"moe-rl: {reason}; the C kernels are off, the torch code runs instead", file=sys.stderr, flush=True)
+        return _none(reason)
+
+
+def why_none() -> str:
+    """Why `library()` is None ("" when it is not)."""
+    library()
+    return _why_none[-1] if _why_none else ""
+
+
+def _none(reason: str) -> None:
+    _why_none.append(reason)
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    if isinstance(err, subprocess.CalledProcessError):
+        said = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else str(err.stderr or "")
+        text = f"{err.cmd[0]} exited with status {err.returncode}" + (f": {said.strip()}" if said.strip() else "")
+    return (text.splitlines() or [type(err).__name__])[0][:200]
 
 
 def load(built_library: Path) -> ctypes.CDLL:

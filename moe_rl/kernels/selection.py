@@ -130,7 +130,7 @@ def cpu_description() -> dict:
 def _measured_or_cached() -> dict[str, dict]:
     global _measurement
     if native.library() is None:
-        why = "switched off (MOE_RL_NATIVE=0)" if os.environ.get("MOE_RL_NATIVE") == "0" else "no C kernels built"
+        why = native.why_none() or "no C kernels built"
         _measurement = {"busy_cores": None, "provisional": False}
         return {name: {"used": False, "why": why} for name in FAMILIES}
     path = native.cache_folder() / f"kernel_choice_{_machine_key()}.json"

@@ -148,21 +148,44 @@ def _fused_adamw_supported(params) -> bool:
 
 
 def check_task_fits(cfg: ModelConfig, tokenizer, task, max_new_tokens: int, probe: int = 64) -> None:
-    """Refuse, before anything is written, a model whose vocabulary is smaller than the tokenizer's, or whose
-    max_seq_len cannot hold a prompt (of the first `probe` training and held-out problems) plus a response."""
+    """Refuse, before anything is written, a model whose vocabulary is not the tokenizer's, or whose
+    max_seq_len cannot hold a prompt (of every row of a file task; of the first `probe` training and held-out
+    problems of a generator) plus a response."""
     if cfg.hf_path is not None:  # a checkpoint directory's own config sets its vocabulary and context, not ours
+        _check_hf_vocab_decodes(cfg, tokenizer)
         return
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer.vocab_size} tokens); use --model.vocab-size {tokenizer.vocab_size} or more")
+                          f"({tokenizer.vocab_size} tokens); use --model.vocab-size {tokenizer.vocab_size}")
+    if cfg.vocab_size > tokenizer.vocab_size:  # the sampler would draw ids the tokenizer cannot decode
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is larger than the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size} tokens): the model would sample ids no text has; use "
+                          f"--model.vocab-size {tokenizer.vocab_size}")
     for split in ("train", "eval"):
-        for problem in task.problems(split, 0, min(probe, task.num_problems(split) or probe)):
+        # Every row of a file (a long prompt at row 5000 would otherwise fail when the sampler reaches it); the first
+        # `probe` problems of an unbounded generator, whose prompts share one format.
+        for problem in task.problems(split, 0, task.num_problems(split) or probe):
             need = 1 + len(tokenizer.encode(problem.prompt)) + max_new_tokens  # BOS, prompt, response
             if need > cfg.max_seq_len:
                 raise ConfigError(
                     f"model.max_seq_len={cfg.max_seq_len} is too short: a {split} prompt of the task takes "
                     f"{need - max_new_tokens} tokens, plus max_new_tokens={max_new_tokens} for the response = "
                     f"{need}; raise --model.max-seq-len or shorten the prompts")
+
+
+def _check_hf_vocab_decodes(cfg: ModelConfig, tokenizer) -> None:
+    """A checkpoint directory without tokenizer files gets the character tokenizer; a model whose vocabulary is
+    larger samples ids that tokenizer cannot decode (a crash in the first rollout), so refuse it here. (A smaller one
+    is refused by build_model_tokenizer.)"""
+    if cfg.backend != "hf" or _has_tokenizer(cfg.hf_path):
+        return
+    vocab = _hf_vocab_size(cfg.hf_path)
+    if vocab != tokenizer.vocab_size:
+        raise ConfigError(
+            f"hf_path={cfg.hf_path}: the directory has no tokenizer files, so prompts use the character tokenizer "
+            f"({tokenizer.vocab_size} ids), but the model's vocab_size is {vocab}: it would sample ids the tokenizer "
+            "cannot decode; save the model's tokenizer into the directory (tokenizer.json or tokenizer_config.json) "
+            f"or use a checkpoint with vocab_size {tokenizer.vocab_size}")
 
 
 def check_sampler_memory(cfg: ModelConfig, rows: int, max_new_tokens: int, device: torch.device,

@@ -12,9 +12,11 @@ into two things the objective consumes (docs/design.md section 10):
   With is_band [lo, hi] (IcePop, Ling team, Ring-1T): the level's ratio inside the band, 0 outside.
 - `keep_BT`: the tokens that stay in the aggregation; a rejection option drops the tokens (token_*) or whole
   sequences (seq_*) whose divergence statistic is out of bounds. Per token, with r = log_ratio:
-    k1 = r (banded as a ratio: lo <= exp(r) <= hi),  k2 = r^2 / 2,  k3 = exp(r) - 1 - r  (<= threshold)
-  seq_sum_* and seq_mean_* apply the same test to the sum or mean of the token statistic over the sequence,
-  seq_max_* to its maximum (seq_max_k1: every token's ratio in the band). Several options must all pass.
+    k1 = -r (verl's: log pi_sampler / pi_old, banded as a ratio: lo <= exp(-r) <= hi),
+    k2 = r^2 / 2,  k3 = exp(r) - 1 - r  (<= threshold)
+  seq_sum_* and seq_mean_* apply the same test to the sum or mean of the token statistic over the sequence
+  (seq_sum_k1: lo <= exp(-sum r) <= hi), seq_max_* to its maximum (seq_max_k1: every token's exp(-r) in the band).
+  Several options must all pass.
 
 The formulas follow verl's rollout_corr (docs/algo/rollout_corr.md); docs/design.md section 10 lists where we differ.
 Log-ratios are clamped to +-LOG_RATIO_BOUND before any exp, so a log-ratio of +-50 (or a sequence sum of thousands)
@@ -58,10 +60,12 @@ class CorrectionConfig:
     is_level token or sequence; not with is_cap."""
     reject: tuple[RejectOption, ...] = ()
     """Rejection masks, all of which must pass; rejected tokens leave the aggregation: token_k1/k2/k3 (per token),
-    seq_sum_*, seq_mean_*, seq_max_* (whole sequences). k1 is a ratio band, k2 and k3 an upper bound."""
+    seq_sum_*, seq_mean_*, seq_max_* (whole sequences). k1 is a band on pi_sampler / pi_old (verl's k1 =
+    -log_ratio), k2 and k3 an upper bound."""
     reject_thresholds: tuple[float, ...] = ()
-    """The bounds of `reject`, in its order: two numbers (LO HI, ratio bounds) for a *_k1 option, one upper bound
-    for the others; e.g. `--correction.reject token_k1 seq_max_k3 --correction.reject-thresholds 0.5 2 0.1`."""
+    """The bounds of `reject`, in its order: two numbers (LO HI, bounds of pi_sampler / pi_old, as in verl) for a
+    *_k1 option, one upper bound for the others; e.g.
+    `--correction.reject token_k1 seq_max_k3 --correction.reject-thresholds 0.5 2 0.1`."""
 
     def __post_init__(self) -> None:
         self.reject, self.reject_thresholds = tuple(self.reject), tuple(self.reject_thresholds)
@@ -172,10 +176,12 @@ def importance_weights(log_ratio_BT, mask_BT, cfg: CorrectionConfig):
 
 
 def token_statistic(kind: str, log_ratio_BT: torch.Tensor) -> torch.Tensor:
-    """k1 = r, k2 = r^2 / 2, k3 = exp(r) - 1 - r of r = log_ratio, per token. k3 clamps r above at LOG_RATIO_BOUND
-    (exp would overflow; ~4.9e8 is beyond any useful threshold) and is exact below it (r = -50 gives 49)."""
+    """k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r of r = log_ratio = log pi_old - log pi_sampler, per token. k1 is
+    verl's (rollout_corr_helper: -log_ratio, the log of pi_sampler / pi_old), so a k1 band LO HI keeps the tokens
+    verl keeps. k3 clamps r above at LOG_RATIO_BOUND (exp would overflow; ~4.9e8 is beyond any useful threshold)
+    and is exact below it (r = -50 gives 49)."""
     if kind == "k1":
-        return log_ratio_BT
+        return -log_ratio_BT
     if kind == "k2":
         return 0.5 * log_ratio_BT.square()
     r_BT = log_ratio_BT.clamp(max=LOG_RATIO_BOUND)
@@ -186,7 +192,7 @@ def passes(option: str, log_ratio_BT, mask_BT, lo: float, hi: float) -> torch.Te
     """[B, T] bool: the tokens that pass one rejection option (True on padding; the caller ANDs the mask)."""
     *level, kind = option.split("_")
     stat_BT = token_statistic(kind, log_ratio_BT)
-    # For k1 the band is on the ratio: lo <= exp(stat) <= hi, i.e. log(lo) <= stat <= log(hi).
+    # For k1 the band is on the ratio pi_sampler / pi_old: lo <= exp(stat) <= hi, i.e. log(lo) <= stat <= log(hi).
     lo, hi = (math.log(lo), math.log(hi)) if kind == "k1" else (lo, hi)
     if level == ["token"]:
         return (stat_BT >= lo) & (stat_BT <= hi) | ~mask_BT

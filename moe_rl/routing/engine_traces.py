@@ -93,7 +93,19 @@ def read_engine_trace(path: str | Path) -> list[EngineRequest]:
     requests = [_checked(path, request) for request in reader(path)]
     if not requests:
         raise DataError(f"{path} holds no requests: nothing to compare")
+    _check_unique_ids(path, requests)
     return requests
+
+
+def _check_unique_ids(path: Path, requests: list[EngineRequest]) -> None:
+    """Refuse two requests with one request_id: the per-request rows of the comparison would be ambiguous, and a
+    trace written twice into one file (or two engines' traces concatenated) would count every token twice."""
+    first: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        seen = first.setdefault(request.request_id, index)
+        if seen != index:
+            raise DataError(f"{path}: request_id {request.request_id!r} appears twice (entries {seen} and {index}); "
+                            "each request of a trace needs its own id")
 
 
 def write_engine_trace(path: str | Path, requests: list[EngineRequest]) -> Path:
@@ -145,8 +157,10 @@ def _read_parquet(path: Path) -> list[EngineRequest]:
         if len(shape) != 3 or int(np.prod(shape)) != flat.size:
             raise DataError(f"{path}: request {record['request_id']} (row {row}): routed_experts has {flat.size} "
                             f"values but routed_experts_shape is {shape} (positions, layers, K)")
-        requests.append(EngineRequest(str(record["request_id"]), _int_list(record["prompt_token_ids"]),
-                                      _int_list(record["output_token_ids"]), flat.reshape(shape)))
+        requests.append(EngineRequest(str(record["request_id"]),
+                                      _int_list(record["prompt_token_ids"], path, row, "prompt_token_ids"),
+                                      _int_list(record["output_token_ids"], path, row, "output_token_ids"),
+                                      flat.reshape(shape)))
     return requests
 
 
@@ -194,19 +208,51 @@ def _read_npy(path: Path) -> list[EngineRequest]:
     if not sidecar.exists():
         raise DataError(f"{path}: a .npy engine trace needs {sidecar.name} next to it with request_id, "
                         "prompt_token_ids and output_token_ids")
-    return [_from_dict(path, 0, json.loads(sidecar.read_text()), np.load(path, allow_pickle=False))]
+    try:
+        record = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{sidecar}: the sidecar of {path.name} cannot be read as JSON ({err}); it holds request_id, "
+                        "prompt_token_ids and output_token_ids") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{sidecar}: expected a JSON object with request_id, prompt_token_ids and output_token_ids, "
+                        f"got {type(record).__name__}")
+    try:
+        ids_RLK = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:  # cut short, not a .npy, or an object array (never unpickled)
+        raise DataError(f"{path} cannot be read as a .npy integer array ({_first_line(err)}): empty, cut short, "
+                        "or not a numeric array") from None
+    return [_from_dict(path, 0, record, ids_RLK)]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
 
 
 def _from_dict(path: Path, row: int, record: dict, ids_RLK: np.ndarray) -> EngineRequest:
     for key in ("prompt_token_ids", "output_token_ids"):
         if key not in record:
             raise DataError(f"{path}: entry {row} has no {key}")
-    return EngineRequest(str(record.get("request_id", row)), _int_list(record["prompt_token_ids"]),
-                         _int_list(record["output_token_ids"]), ids_RLK)
+    return EngineRequest(str(record.get("request_id", row)), _int_list(record["prompt_token_ids"], path, row,
+                                                                   "prompt_token_ids"),
+                         _int_list(record["output_token_ids"], path, row, "output_token_ids"), ids_RLK)
 
 
-def _int_list(values) -> list[int]:
-    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+def _int_list(values, path: Path | None = None, row: int = 0, key: str = "token ids") -> list[int]:
+    """A list of token ids as ints; DataError naming the file, entry and key for anything else (a string, None,
+    floats with a fraction)."""
+    try:
+        items = values.tolist() if hasattr(values, "tolist") else values
+        if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+            raise TypeError(type(items).__name__)
+        out = [int(v) for v in items]
+        if any(isinstance(v, float) and v != int(v) for v in items):
+            raise ValueError("a fraction")
+        return out
+    except (TypeError, ValueError) as err:
+        if path is None:
+            raise
+        raise DataError(f"{path}: entry {row}: {key} must be a list of integer token ids ({type(err).__name__}: "
+                        f"{err})") from None
 
 
 def _checked(path: Path, request: EngineRequest) -> EngineRequest:

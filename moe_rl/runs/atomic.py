@@ -6,11 +6,14 @@ goes through `atomic_write`. The one exception is metrics.jsonl, which is append
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
+
+from moe_rl.errors import DiskFullError
 
 # Temp files start with a dot and end with this suffix, so listings of `step_*.parquet` or `*.pt` never match them
 # and `remove_stale_temp_files` can find the leftovers of a killed writer.
@@ -25,19 +28,44 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     group on a shared cluster.
     """
     path = Path(path)
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    try:
+        fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:  # no room even for a directory entry
+            raise DiskFullError(path) from None
+        raise
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "wb") as file:
+        with open_temp(fd, path) as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as err:
         Path(temp_name).unlink(missing_ok=True)
+        if disk_full(err):
+            raise DiskFullError(path) from None
         raise
     fsync_dir(path.parent)
     return path
+
+
+def open_temp(fd: int, path: Path) -> IO[bytes]:
+    """The writer of the temp file that will replace `path` (a seam: the tests make its writes fail as a full disk
+    does)."""
+    return os.fdopen(fd, "wb")
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` is, or was raised while handling, an ENOSPC: torch.save turns the OSError of a failed write
+    into `RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos`, which keeps the OSError as its
+    context only."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def current_umask() -> int:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from moe_rl.errors import DataError
-from moe_rl.runs.atomic import atomic_write_text
+from moe_rl.errors import DataError, DiskFullError
+from moe_rl.runs.atomic import atomic_write_text, disk_full
 
 if TYPE_CHECKING:
     from moe_rl.runs.trackers import Tracker
@@ -59,6 +59,7 @@ class MetricsWriter:
         self.trackers = list(trackers)
         self._fsync = fsync  # flush alone survives a killed process; fsync also survives a crashed machine
         self._keep_complete_lines(resume_from_step)
+        self._full = False
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _keep_complete_lines(self, max_step: int | None) -> None:
@@ -78,10 +79,16 @@ class MetricsWriter:
     def write(self, metrics: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
         """Append one line; `step` may be given here or as metrics[step_key]. Returns the record written."""
         record = self._record(metrics, step)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._fsync:
-            os.fsync(self._file.fileno())
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            self._full = True  # the unwritten rest stays in the buffer: close() must not fail on it again
+            raise DiskFullError(self.path) from None
         self._mirror(record)
         return record
 
@@ -105,7 +112,11 @@ class MetricsWriter:
                 logger.exception("tracker %s failed to log step %s", type(tracker).__name__, record[self.step_key])
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            if not self._full:
+                raise  # after a full disk the partial last line is what a reader drops (and a resume rewrites)
         for tracker in self.trackers:
             tracker.close()
 

@@ -79,4 +79,23 @@ def rl_step_fields(lines: Iterable[Mapping]) -> dict[str, float | None]:
 
 
 def say(line: str, err: bool = False) -> None:
-    print(line, file=sys.stderr if err else sys.stdout, flush=True)
+    """Print one line, flushed. A reader that went away (`moe-rl train ... | head -1`) does not end the run: the
+    stream is pointed at os.devnull and the run goes on silently (its metrics and manifest say how it went)."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except BrokenPipeError:
+        silence(stream)
+
+
+def silence(stream) -> None:
+    """Point a stream whose reader closed the pipe at os.devnull, so that no later write or the flush at exit fails
+    ("Exception ignored ... BrokenPipeError", exit status 120)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO in tests): nothing to redirect
+        pass

@@ -84,9 +84,18 @@ class TaskConfig:
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction={self.eval_fraction!r} must be in (0, 1)")
         if self.source == "reasoning_gym":
+            self._check_no_files()
             self._check_gym()
         else:
             self._check_file()
+
+    def _check_no_files(self) -> None:
+        """A path with the generator source would be ignored (the run would train on the generator): refuse it
+        rather than guess. A path does not switch the source, so that a config that names both keeps its meaning."""
+        for field in ("path", "eval_path"):
+            if getattr(self, field):
+                raise ConfigError(f"task.{field}={getattr(self, field)!r} is set but task.source='reasoning_gym' "
+                                  "(the default) ignores files; add --task.source file to train on it")
 
     def _check_gym(self) -> None:
         check_choice("name", self.name, GYM_TASKS + WORKED_TASKS)
@@ -109,6 +118,10 @@ class TaskConfig:
         for field in ("prompt_column", "answer_column"):
             if not getattr(self, field):
                 raise ConfigError(f"{field} must name a column")
+        if self.eval_path and _same_file(self.path, self.eval_path):
+            raise ConfigError(f"task.eval_path={self.eval_path!r} is the same file as task.path: every eval problem "
+                              "would be a training problem; drop eval_path (eval_fraction of path's rows are then held "
+                              "out) or name a separate file")
 
     def gym_options(self) -> dict[str, Any]:
         """The reasoning-gym config fields for `name`, taken from the difficulty knobs above."""
@@ -122,3 +135,13 @@ class TaskConfig:
         return dict(min_numbers=self.min_numbers, max_numbers=self.max_numbers, min_value=self.min_value,
                     max_value=self.max_value, min_target=self.min_target, max_target=self.max_target,
                     operators=tuple(self.operators))
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (./x and x, a symlink and its target); by spelling when one does not exist."""
+    import os
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)

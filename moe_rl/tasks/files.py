@@ -61,14 +61,24 @@ def scan_jsonl(path: Path) -> list[int]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}, line {n}: not valid JSON ({err.msg} at column {err.colno})") from None
+                raise DataError(f"{path}, line {n}: not valid JSON ({err.msg} at column {err.colno})"
+                                f"{_json_lines_hint(line)}") from None
             if not isinstance(record, dict):
-                raise DataError(f"{path}, line {n}: expected a JSON object, got {_json_kind(record)}")
+                raise DataError(f"{path}, line {n}: expected a JSON object, got {_json_kind(record)}"
+                                f"{_json_lines_hint(line)}")
             _check_kinds(record, kinds, path, n)
             numbers.append(n)
     if not numbers:
         raise DataError(f"{path} is empty: it has no JSON lines")
     return numbers
+
+
+def _json_lines_hint(line: str) -> str:
+    """What to say when a line that opens a JSON array (or a pretty-printed object) is not one problem."""
+    if line.lstrip().startswith("[") or line.strip() == "{":
+        return ("; a task file (.jsonl or .json) is JSON Lines, one JSON object per line, not a JSON array or a "
+                "pretty-printed document")
+    return ""
 
 
 def _check_kinds(record: dict, kinds: dict[str, tuple[str, int]], path: Path, n: int) -> None:

@@ -97,6 +97,25 @@ def test_each_rejection_option(option, thresholds, log_ratio, keep):
     assert out.metrics["correction/masked_frac"] == pytest.approx(1 - kept)
 
 
+# verl's k1 statistic is -log_ratio = log(pi_sampler / pi_old): an asymmetric band LO HI bounds exp(-r) (tokens),
+# exp(-sum r) and exp(-mean r) (sequences), never rho = exp(r). Each row below would be kept the other way round
+# by a band on rho; the ratios pi_sampler / pi_old are worked out by hand in the comments.
+@pytest.mark.parametrize("option, rho, keep", [
+    # exp(-r) = 1/rho = 0.556, 1.818, 0.625, 2.222, 1.0; in [0.6, 2.0]: no, yes, yes, no, yes
+    ("token_k1", [[1.8, 0.55, 1.6, 0.45, 1.0]], [[0, 1, 1, 0, 1]]),
+    # exp(-sum r) = 1 / (1.3 * 1.3) = 0.592 (out), 1 / 0.64 = 1.5625 (in), 1 / 0.56 = 1.786 (in)
+    ("seq_sum_k1", [[1.3, 1.3], [0.8, 0.8], [0.7, 0.8]], [[0, 0], [1, 1], [1, 1]]),
+    # exp(-mean r) = 1 / 1.7 = 0.588 (out), 1 / 0.55 = 1.818 (in), 1 / sqrt(0.9 * 0.5) = 1.491 (in)
+    ("seq_mean_k1", [[1.7, 1.7], [0.55, 0.55], [0.9, 0.5]], [[0, 0], [1, 1], [1, 1]]),
+    # every exp(-r) in the band: (1.818, 0.667) yes; (0.556, 1.0) no; (2.222, 1.0) no
+    ("seq_max_k1", [[0.55, 1.5], [1.8, 1.0], [0.45, 1.0]], [[1, 1], [0, 0], [0, 0]]),
+])
+def test_k1_bands_bound_the_sampler_over_trainer_ratio_as_verl_does(option, rho, keep):
+    log_ratio = lr(*[[ln(x) for x in row] for row in rho])
+    out = correct(log_ratio, reject=(option,), reject_thresholds=(0.6, 2.0))
+    assert out.keep_BT.int().tolist() == keep
+
+
 def test_combined_masks_must_all_pass():
     log_ratio = lr([ln(1.3), 0.0], [0.0, 0.0], [ln(1.25), ln(1.25)])
     out = correct(log_ratio, reject=("token_k1", "seq_mean_k3"), reject_thresholds=(0.8, 1.25, 0.022))
