@@ -16,7 +16,7 @@ length need not recompile; the first call's time is the compile a run pays). Thr
    old pass, updates and probes all call it).
 
 Per workload the table gives each arm's steady-state median, the compiled arm's first-call time less its steady
-time (the compile), the break-even number of steps (compile / time saved per step against each other arm), what
+time (the compile, in CPU seconds of this process and of the C++ compiler Inductor runs), the break-even number of steps (compile / time saved per step against each other arm), what
 Dynamo did (frames compiled, recompiles, graph breaks) and whether the compiled arm's numbers are plain torch's bits
 (`torch.equal` on logits and gradients; sampled tokens and log-probs for the sampler).
 
@@ -24,7 +24,8 @@ What it simplifies: random weights and tokens, as bench_model; CPU only. `torch.
 of the plain-torch model) has no CPU meta function for fp32 in this torch, so Dynamo cannot trace it: it is marked
 `disallow_in_graph` and runs eagerly between compiled graphs (a graph break), as do the data-dependent steps
 (`bincount`, `.item()`, boolean indexing). Compile times depend on Inductor's on-disk cache: the script points it at a
-fresh temporary folder, so every run pays the cold compile a first RL run on a machine pays.
+fresh temporary folder for each workload and empties Dynamo's caches between workloads, so each pays the cold compile
+a first RL run of that model on a machine pays, and its recompiles are its own.
 
     python -m benchmarks.bench_compile              # about 12 minutes on a quiet CPU
     python -m benchmarks.bench_compile --quick      # the smallest shape, fewer repeats, no RL step (about 2 minutes)
@@ -97,6 +98,15 @@ def set_up_dynamo(cache_dir: str) -> DynamoEvents:
     return events
 
 
+def fresh_compiler(cache_dir: Path) -> None:
+    """Each workload compiles cold, as a run of one model would: Dynamo's caches emptied, a new Inductor cache folder
+    (otherwise a workload would count as recompiles the guards of another model's shapes, and reuse its kernels)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+
+
 def dynamo_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
@@ -128,10 +138,16 @@ def kernels_off(fn):
     return run
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time and that of its finished children (Inductor runs the C++ compiler as one)."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 def timed(fn) -> dict[str, float]:
-    w0, c0 = time.perf_counter(), time.process_time()
+    w0, c0 = time.perf_counter(), cpu_seconds()
     fn()
-    return {"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0}
+    return {"wall": time.perf_counter() - w0, "cpu": cpu_seconds() - c0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,7 +329,8 @@ def markdown(rows: list[dict], command: str, load: dict) -> str:
         ("Arms interleaved; medians of CPU (process) time per call, wall in brackets. 'plain torch': every kernel family "
         "off; 'C kernels': the families this machine's measurement chose (below); 'compiled': torch.compile(model.forward, "
         "dynamic=True), Inductor CPU, kernel families off inside it, torch._grouped_mm left eager. 'compile' is the "
-        "compiled arm's first call less its steady call (CPU seconds, a cold Inductor cache); 'break-even' is how many "
+        "compiled arm's first call less its steady call (CPU seconds of this process and of the C++ compiler it runs; "
+        "a cold Inductor cache); 'break-even' is how many "
         "steps (minibatch forward+backward, decode steps, RL steps) the compile takes to pay back against each arm."),
         "", *kernels_lines(), "",
         ("| workload | shape | tokens per call | plain torch | C kernels | compiled | compiled / C kernels (CPU) "
@@ -370,7 +387,8 @@ def main() -> None:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
         events = set_up_dynamo(cache_dir)
-        for workload in workloads:  # the files are rewritten after each workload: a long run leaves what it measured
+        for i, workload in enumerate(workloads):  # the files are rewritten after each: a long run leaves what it measured
+            fresh_compiler(Path(cache_dir) / str(i))
             rows += workload()
             load["end"] = load_average()
             write_csv(args.out / "compile.csv", rows)
