@@ -75,7 +75,19 @@ class DynamoEvents(logging.Handler):
         message = record.getMessage()
         if message.startswith("Recompiling function"):
             lines = [line.strip() for line in message.splitlines()]
-            self.reasons.append(f"{lines[0].split(' in ')[0][len('Recompiling function '):]}: {lines[-1][2:]}")
+            function = lines[0].split(" in ")[0][len("Recompiling function "):]
+            self.reasons.append(f"{function}: {recompile_kind(lines[-1])}")
+
+
+def recompile_kind(reason: str) -> str:
+    """A guard failure in a few words: what changed between the cached graph and this call."""
+    for words, kind in (("grad_mode", "grad mode"), ("dispatch key set", "autograd or inference mode of an input"),
+                        ("Guard failed on a parameter", "a parameter's shape"), ("<= ", "a size of 0 or 1"),
+                        ("size mismatch", "a tensor's size"), ("___check_obj_id", "another object"),
+                        ("== ", "a Python value")):
+        if words in reason:
+            return kind
+    return reason[:60]
 
 
 def set_up_dynamo(cache_dir: str) -> DynamoEvents:
@@ -110,7 +122,9 @@ def fresh_compiler(cache_dir: Path) -> None:
 def dynamo_counts() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
-    return {"frames compiled": counters["frames"]["ok"], "graph breaks": sum(counters["graph_break"].values())}
+    breaks = counters["graph_break"]
+    return {"frames compiled": counters["frames"]["ok"], "graph breaks": sum(breaks.values()),
+            "recompile limit hits": sum(n for kind, n in breaks.items() if "recompile limit" in kind.lower())}
 
 
 @contextlib.contextmanager
@@ -120,8 +134,9 @@ def dynamo_delta(events: DynamoEvents, into: dict):
     yield
     after = dynamo_counts()
     into.update({key: after[key] - before[key] for key in after})
-    into["recompiles"] = len(events.reasons) - reasons_before
-    into["recompile reasons"] = "; ".join(sorted(set(events.reasons[reasons_before:])))[:300]
+    reasons = events.reasons[reasons_before:]
+    into["recompiles"] = len(reasons)
+    into["recompile reasons"] = ", ".join(f"{reason} ({reasons.count(reason)})" for reason in sorted(set(reasons)))
 
 
 def compiled_copy(model: MoETransformer) -> MoETransformer:
@@ -319,10 +334,10 @@ def steps_text(calls: float, steps_per_call: int) -> str:
     return "never" if calls == float("inf") else f"{calls * steps_per_call:,.0f}"
 
 
-def markdown(rows: list[dict], command: str, load: dict) -> str:
+def markdown(rows: list[dict], command: str, load: dict, commit: str) -> str:
     lines = [
         "# torch.compile against the C kernels and plain torch (CPU, 1 thread)", "",
-        f"Command: `{command}`  ", f"Commit: {git_commit()}  ",
+        f"Command: `{command}`  ", f"Commit: {commit}  ",
         (f"Machine: {platform.machine()}, {cpu_line()}; {torch.get_num_threads()} torch thread, torch "
          f"{torch.__version__}, CPU class {cpu_class()}.  "),
         f"Load average (1, 5, 15 min): at start {load['start']}, at end {load['end']}.", "",
@@ -350,7 +365,11 @@ def markdown(rows: list[dict], command: str, load: dict) -> str:
             f"| {c['graph breaks']} | {c['bit-identical']} | {c['max abs diff']:.3g} |")
     reasons = [f"- {r['workload']}, {r['shape']}: {r['recompile reasons']}" for r in rows if r.get("recompile reasons")]
     if reasons:
-        lines += ["", "Recompile reasons (first guard failure of each):", "", *reasons]
+        lines += ["", "Recompiles by function and what changed (the first failing guard of each), with their counts:", "",
+              *reasons]
+    hits = [f"{r['workload']}, {r['shape']}: {r['recompile limit hits']}" for r in rows if r.get("recompile limit hits")]
+    if hits:
+        lines += ["", "Frames that reached Dynamo's recompile limit and run eagerly from then on: " + "; ".join(hits)]
     return "\n".join(lines) + "\n"
 
 
@@ -371,6 +390,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = {"start": load_average()}
+    commit = git_commit()
     repeat = 3 if args.quick else args.repeat
     command = "python -m benchmarks.bench_compile" + " ".join(
         [""] + (["--quick"] if args.quick else []) + (["--no-step"] if args.no_step else [])
@@ -392,7 +412,7 @@ def main() -> None:
             rows += workload()
             load["end"] = load_average()
             write_csv(args.out / "compile.csv", rows)
-            report = markdown(rows, command, load)
+            report = markdown(rows, command, load, commit)
             (args.out / "compile.md").write_text(report)
     print(report)
 

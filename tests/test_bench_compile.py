@@ -35,5 +35,5 @@ def test_compile_time_and_break_even_come_from_the_first_and_steady_calls(tmp_pa
     assert compiled["break-even calls vs C kernels"] == math.inf  # slower than the kernels: never pays back
     bench_compile.write_csv(tmp_path / "compile.csv", rows)
     assert "break-even calls vs C kernels" in (tmp_path / "compile.csv").read_text().splitlines()[0]
-    text = bench_compile.markdown(rows, "python -m benchmarks.bench_compile", {"start": "0.1", "end": "0.2"})
+    text = bench_compile.markdown(rows, "python -m benchmarks.bench_compile", {"start": "0.1", "end": "0.2"}, "abc1234")
     assert "| 1.33x | 10.0 s (10.0 s wall) | 600 / never | 12 | 1 | 9 | no | 2e-07 |" in text
