@@ -27,7 +27,7 @@ of the plain-torch model) has no CPU meta function for fp32 in this torch, so Dy
 fresh temporary folder for each workload and empties Dynamo's caches between workloads, so each pays the cold compile
 a first RL run of that model on a machine pays, and its recompiles are its own.
 
-    python -m benchmarks.bench_compile              # about 12 minutes on a quiet CPU
+    python -m benchmarks.bench_compile              # 20 minutes on a 2-core VM loaded by two test suites
     python -m benchmarks.bench_compile --quick      # the smallest shape, fewer repeats, no RL step (about 2 minutes)
     python -m benchmarks.bench_compile --no-step    # skip the RL step
 Writes results/bench/<machine>/compile.md and compile.csv (or --out), with the kernel paths taken, the command,
@@ -395,7 +395,8 @@ def main() -> None:
     command = "python -m benchmarks.bench_compile" + " ".join(
         [""] + (["--quick"] if args.quick else []) + (["--no-step"] if args.no_step else [])
         + [f"--{k} {v}" for k, v, d in (("repeat", args.repeat, 5), ("batches", args.batches, 6),
-                                        ("steps", args.steps, 2)) if v != d])
+                                        ("steps", args.steps, 2)) if v != d]
+        + ([f"--out {args.out}"] if args.out else []))
     args.out = args.out or Path("results/bench") / bench_folder()
     args.out.mkdir(parents=True, exist_ok=True)
     workloads = [lambda s=shape: bench_fwd_bwd(s, 3 if args.quick else args.batches, repeat, events)
