@@ -8,7 +8,7 @@ length need not recompile; the first call's time is the compile a run pays). Thr
 1. forward+backward of the whole model at the three shapes of benchmarks/bench_model.py, over a fixed sequence of
    minibatch shapes (batch and sequence length drawn from a seeded generator around the bench shape, as an RL run's
    minibatches vary with prompt and completion lengths). One timed call is one pass over the sequence;
-2. the sampler's decode loop: `moe_rl.rollout.generate` with a KV cache (batch 64, prompt 16, 64 new tokens, every
+2. the sampler's decode loop: `moe_rl.rl.rollout.generate` with a KV cache (batch 64, prompt 16, 64 new tokens, every
    sequence full length) at bench_model's SAMPLER_SHAPES. What is compiled is the model's `forward`, which generate
    calls for the prefill and every decode step; the loop and the drawing of tokens stay eager;
 3. the paper-shaped RL step (benchmarks/bench_step.py's "paper" shape, `Trainer.rl_step`: GRPO on chain_sum, 16
@@ -53,8 +53,9 @@ import torch
 
 from benchmarks.bench_model import SAMPLER_SHAPES, SHAPES, native_step
 from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, no_kernels, write_csv
+from moe_rl import kernels
 from moe_rl.model import ModelConfig, MoETransformer
-from moe_rl.rollout import SamplingConfig, generate
+from moe_rl.rl.rollout import SamplingConfig, generate
 
 ARMS = ("plain torch", "C kernels", "compiled")
 RL_STEP_SHAPE = "paper (d64 L48 E128 K8 F32)"
@@ -217,7 +218,7 @@ def bench_fwd_bwd(name: str, n_batches: int, repeat: int, events: DynamoEvents) 
     torch.manual_seed(0)
     shapes = minibatch_shapes(batch, seq_len, n_batches)
     batches = [torch.randint(0, cfg.vocab_size, shape) for shape in shapes]
-    model = MoETransformer(cfg)
+    model = MoETransformer(cfg, kernels=kernels.machine())
     compiled = compiled_copy(model)
     dynamo: dict = {}
     times = three_arms(fwd_bwd_pass(model, batches), fwd_bwd_pass(model, batches), fwd_bwd_pass(compiled, batches),
@@ -229,7 +230,7 @@ def bench_fwd_bwd(name: str, n_batches: int, repeat: int, events: DynamoEvents) 
 def bench_sampler(name: str, repeat: int, events: DynamoEvents, batch=64, prompt_len=16, new_tokens=64) -> list[dict]:
     cfg = ModelConfig(**SHAPES[name][0])
     torch.manual_seed(0)
-    model = MoETransformer(cfg).eval()
+    model = MoETransformer(cfg, kernels=kernels.machine()).eval()
     compiled = compiled_copy(model)
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len))
     valid = torch.ones_like(ids, dtype=torch.bool)
@@ -253,7 +254,7 @@ def bench_rl_step(steps: int, events: DynamoEvents) -> list[dict]:
     arm; the compiled one's model has its forward compiled. Steps taken in turns, as benchmarks/bench_step.py."""
     from benchmarks.bench_step import SHAPES as STEP_SHAPES
     from benchmarks.bench_step import _new_trainer
-    from moe_rl.probes import ProbeConfig
+    from moe_rl.rl.probes import ProbeConfig
 
     dynamo: dict = {}
     with contextlib.ExitStack() as stack:

@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
     sys.path.insert(0, str(REPO))
 
