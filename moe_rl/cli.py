@@ -235,10 +235,30 @@ def _config_file(config_class, args: list[str]):
     from moe_rl.rl.overrides import from_dict
 
     data = read_config_file(path)
+    run_dir = _run_dir_of(path)
+    if run_dir is not None:  # a run's own config.json: the run is where the file is (copied or moved, it is the copy)
+        data = {**data, "out_dir": str(run_dir.absolute())}
     try:
         return rest, from_dict(config_class, data)
     except ConfigError as err:
         raise ConfigError(f"--config-file {path}: {err}") from None
+
+
+def _run_dir_of(path: str):
+    """The run directory holding `path`, when it is a run's config.json (beside a moe-rl manifest.json), else None."""
+    import json
+    from pathlib import Path
+
+    from moe_rl.runs.claim import is_run_manifest
+
+    folder = Path(path).parent
+    if Path(path).name != "config.json":
+        return None
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return folder if is_run_manifest(manifest) else None
 
 
 def read_config_file(path: str) -> dict:
