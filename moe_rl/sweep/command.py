@@ -217,7 +217,10 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         index = wait_for(jobs, plan.sweep_dir)
     counts = index["status"].value_counts().to_dict()
     print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"  -> {plan.sweep_dir / INDEX_CSV}")
-    if counts.get("failed"):
+    # A run of this invocation that was interrupted (its worker got a signal, not the sweep) did not finish either.
+    stopped = index[(index["status"] == "interrupted") & (index["name"].isin(selected) if selected is not None
+                                                            else True)]
+    if counts.get("failed") or len(stopped):
         raise SystemExit(1)
 
 
