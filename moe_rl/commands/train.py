@@ -51,7 +51,8 @@ def train(cfg: TrainConfig) -> Path:
     with distributed.process_group(resolve_device(cfg.device)) as device, StopOnSignal() as stop:
         cfg.check_data_parallel(distributed.world_size())
         # Absolute: the config.json, the manifest and the printed resume command name the run wherever they are read.
-        cfg = replace(cfg, out_dir=str(Path(run_dir_name(cfg)).absolute()))
+        # `~` too, which a shell leaves as it is after `--out-dir=`.
+        cfg = replace(cfg, out_dir=str(Path(run_dir_name(cfg)).expanduser().absolute()))
         _train_on_this_rank(cfg, device, stop)
         # The trainer (and its DDP wrapper, which holds the process group) is gone before the group is destroyed;
         # tearing the group down under a live DDP reducer could abort the process at exit.

@@ -91,6 +91,9 @@ def fresh_run_name(parent: str = "runs", stem: str = "run") -> str:
 def check_out_dir(path: str | os.PathLike, flag: str = "--out-dir") -> None:
     """Refuse a path that is a regular file, or a directory (or nearest existing parent) this user cannot write."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist: make the "
+                          f"folder it points to, or choose another {flag}")
     existing = next(p for p in (path, *path.absolute().parents) if _exists(p))
     longest = max(path.absolute().parts, key=lambda part: len(os.fsencode(part)))
     limit = _name_max(existing)
@@ -180,9 +183,18 @@ def check_owned(path: Path, kind: str) -> None:
     """Refuse a run directory that is neither new, empty, nor a moe-rl run of this command (`kind`): a folder of the
     user's files (a config.json, metrics.jsonl or anything else that moe-rl did not write, e.g. `--out-dir .`), a
     manifest.json that cannot be read, or the other command's run (train into an sft run and the reverse)."""
+    for parent in path.absolute().parents:
+        if (parent / "manifest.json").is_file() and is_run_manifest(_manifest(parent)):
+            raise ConfigError(f"--out-dir {path} is inside the run {parent}: a run directory cannot hold another run "
+                              "(moe-rl report would never see it); choose a directory outside it")
     names = foreign_files(path)
     if not names:
         return
+    if "manifest.json" not in names and {"config.json", CHECKPOINTS} <= set(names):
+        raise ConfigError(f"--out-dir {path} holds a run whose manifest.json is gone (config.json and {CHECKPOINTS}/ "
+                          "but no manifest.json), so what a resume verifies is lost; nothing was changed: restore "
+                          "manifest.json from a copy, or start a new run (another --out-dir) from its checkpoint with "
+                          f"--init-from {path / CHECKPOINTS / LATEST}")
     if "manifest.json" in names:
         manifest = read_manifest(path)  # DataError naming the file when it cannot be read
         if is_run_manifest(manifest):
