@@ -91,7 +91,8 @@ class ReportConfig:
     runs: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")]
     """A run directory, a folder of runs, or a sweep directory (searched recursively)."""
     out: str | None = None
-    """Output folder for README.md, figures/ and tables/ (created; existing files are overwritten). None: RUNS/report,
+    """Output folder for README.md, figures/ and tables/ (created; a report replaces its own earlier report there,
+    refuses a README.md, figures/ or tables/ it did not write, and leaves other files alone). None: RUNS/report,
     next to the runs it describes (never into the committed results/ unless asked for)."""
     group_by: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY [KEY ...]")] = ()
     """Config fields that define groups, e.g. `objective.name routing_mode`; none given: every field that varies

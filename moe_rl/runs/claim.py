@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import ConfigError
+from moe_rl.runs.atomic import TEMP_SUFFIX
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step, kept_checkpoints, link_copy, load_checkpoint
 from moe_rl.runs.digest import check_resumable_dir, input_changes
-from moe_rl.runs.atomic import TEMP_SUFFIX
 from moe_rl.runs.lock import LOCK_FILE, RunLock
 from moe_rl.runs.runlog import STATUSES, TABLE_KINDS, RunDir, RunExistsError, read_config, read_manifest
 

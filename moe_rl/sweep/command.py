@@ -50,8 +50,8 @@ from moe_rl.sweep.jobs import run_local
 from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
 from moe_rl.sweep.sweepdir import (
     INDEX_CSV,
-    SWEEP_JSON,
     RUNS,
+    SWEEP_JSON,
     WARMSTART,
     check_same_grid,
     planned_action,

@@ -45,7 +45,7 @@ def test_a_readme_the_report_did_not_write_is_refused_and_kept(sweep, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "README.md").write_text("# My notes\n\nnot a report\n")
-    code, stdout, err = cli("report", sweep, "--out", out)
+    code, _, err = cli("report", sweep, "--out", out)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{out / 'README.md'} was not written by moe-rl report" in err
     assert [p.name for p in out.iterdir()] == ["README.md"] and "My notes" in (out / "README.md").read_text()

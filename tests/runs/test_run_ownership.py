@@ -17,7 +17,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from test_resume_guard import TINY, TRAIN, assert_refused, cli, files
 
 SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "4", "--quiet"]
@@ -47,7 +46,7 @@ def test_an_empty_out_dir_is_refused_and_nothing_is_written_into_the_working_dir
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("mine\n")
     before = tree(tmp_path)
-    code, out, err = cli(*command, "--out-dir", "")
+    code, _, err = cli(*command, "--out-dir", "")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "out_dir='' is empty" in err, err
     assert tree(tmp_path) == before
 
@@ -125,8 +124,8 @@ def test_the_printed_resume_command_is_absolute_and_quoted(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     code, _, err = cli(*TRAIN, "--out-dir", "my runs/a", "--total-steps", "3")
     run = tmp_path / "my runs" / "a"
-    assert code == 130 and err.splitlines() == [f"interrupted at step 1; resume with: moe-rl train --config-file "
-                                                f"'{run / 'config.json'}' --resume"], err
+    line = f"interrupted at step 1; resume with: moe-rl train --config-file '{run / 'config.json'}' --resume"
+    assert code == 130 and err.splitlines() == [line], err
     assert json.loads((run / "config.json").read_text())["out_dir"] == str(run)
     monkeypatch.undo()
     elsewhere = tmp_path / "elsewhere"
