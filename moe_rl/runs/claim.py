@@ -91,15 +91,15 @@ def fresh_run_name(parent: str = "runs", stem: str = "run") -> str:
 def check_out_dir(path: str | os.PathLike, flag: str = "--out-dir") -> None:
     """Refuse a path that is a regular file, or a directory (or nearest existing parent) this user cannot write."""
     path = Path(path)
-    if path.is_symlink() and not path.exists():
-        raise ConfigError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist: make the "
-                          f"folder it points to, or choose another {flag}")
     existing = next(p for p in (path, *path.absolute().parents) if _exists(p))
     longest = max(path.absolute().parts, key=lambda part: len(os.fsencode(part)))
     limit = _name_max(existing)
     if len(os.fsencode(longest)) > limit:
         raise ConfigError(f"{flag} {path}: the name {longest[:24]}... is {len(os.fsencode(longest))} bytes long; "
                           f"the file system allows {limit} per file or folder name: choose a shorter {flag}")
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist: make the "
+                          f"folder it points to, or choose another {flag}")
     if existing == path and not path.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a directory; choose another {flag}")
     if not existing.is_dir():
