@@ -106,7 +106,7 @@ def add_groups(data: RunSet, keys: Sequence[str]) -> RunSet:
         return frame.merge(labels, on="run", how="left")
 
     return RunSet(data.root, runs, label(data.metrics), label(data.steps), label(data.routing), data.sweep,
-                  data.skipped, group_by=keys, groups=_group_order(runs, keys))
+                  data.skipped, missing=data.missing, group_by=keys, groups=_group_order(runs, keys))
 
 
 def _group_order(runs: pd.DataFrame, keys: list[str]) -> list[str]:

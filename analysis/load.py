@@ -152,6 +152,7 @@ class RunSet:
     routing: pd.DataFrame
     sweep: dict | None = None  # sweep.json of the root folder, if it has one
     skipped: list[str] = field(default_factory=list)  # run folders that are not RL runs
+    missing: list[str] = field(default_factory=list)  # runs sweep.json plans whose directory holds no run (yet)
     group_by: list[str] = field(default_factory=list)  # set by analysis.aggregate.add_groups
     groups: list[str] = field(default_factory=list)  # group labels in plotting order, ditto
 
@@ -199,13 +200,24 @@ def load_runs(root: str | os.PathLike) -> RunSet:
     lines = pd.concat(frames, ignore_index=True)
     routing = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=ROUTING_COLUMNS)
     sweep = _read_json(root / "sweep.json") if (root / "sweep.json").is_file() else None
-    data = RunSet(root, runs, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), sweep, skipped)
+    data = RunSet(root, runs, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), sweep, skipped,
+                  missing=missing_planned_runs(root, sweep))
     carried = RUN_COLUMNS + [k for k in KEY_CONFIG + data.varying() if k in runs.columns and k not in RUN_COLUMNS]
     run_cols = runs[list(dict.fromkeys(carried))]
     data.metrics = _with_runs(lines[lines["minibatch"] >= 0], run_cols)
     data.steps = _with_runs(per_step(lines), run_cols)
     data.routing = _with_runs(routing, run_cols)
     return data
+
+
+def missing_planned_runs(root: Path, sweep: dict | None) -> list[str]:
+    """The runs a sweep.json plans whose directory (<sweep>/runs/<name>, wherever the sweep directory now is) holds
+    no run: not started yet, or deleted."""
+    planned = sweep.get("runs") if isinstance(sweep, dict) else None
+    if not isinstance(planned, list):
+        return []
+    names = [run.get("name") for run in planned if isinstance(run, dict) and isinstance(run.get("name"), str)]
+    return [name for name in names if not is_run_dir(root / "runs" / name)]
 
 
 def _check_found(root: Path, infos: list[dict], frames: list, skipped: list[str]) -> None:

@@ -27,9 +27,12 @@ included; their status is in the tables and diverged runs are marked where they 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -37,7 +40,7 @@ from typing import Annotated
 import pandas as pd
 import tyro
 
-from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci
+from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci, run_finals
 from analysis.baseline import against_baseline, read_baseline, with_baseline
 from analysis.cells import churn_vs_lr_depth, run_summary
 from analysis.comparisons import paired_comparisons
@@ -88,7 +91,8 @@ class ReportConfig:
     runs: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")]
     """A run directory, a folder of runs, or a sweep directory (searched recursively)."""
     out: str | None = None
-    """Output folder for README.md, figures/ and tables/ (created; existing files are overwritten). None: RUNS/report,
+    """Output folder for README.md, figures/ and tables/ (created; a report replaces its own earlier report there,
+    refuses a README.md, figures/ or tables/ it did not write, and leaves other files alone). None: RUNS/report,
     next to the runs it describes (never into the committed results/ unless asked for)."""
     group_by: Annotated[tuple[str, ...], tyro.conf.arg(metavar="KEY [KEY ...]")] = ()
     """Config fields that define groups, e.g. `objective.name routing_mode`; none given: every field that varies
@@ -105,8 +109,10 @@ class ReportConfig:
     within +-margin at level 0.05. State it before the runs; written into the command line above the report."""
 
     def __post_init__(self) -> None:
+        self.runs = os.path.expanduser(self.runs)  # a shell leaves `--out=~/...` as it is
         if self.out is None:
             self.out = str(Path(self.runs) / "report")
+        self.out = os.path.expanduser(self.out)
         check_positive("last_k", self.last_k)
         if self.baseline is not None:
             path = Path(self.baseline)
@@ -127,24 +133,108 @@ def command_line(cfg: ReportConfig) -> str:
     return shlex.join(parts)
 
 
+REPORT_FILES = ("README.md", "figures", "tables")  # what a report writes into --out (and replaces there)
+
+
 def report(cfg: ReportConfig) -> Path:
-    """Write the report of `cfg.runs` into `cfg.out`; returns the output folder."""
+    """Write the report of `cfg.runs` into `cfg.out`; returns the output folder.
+
+    The report owns README.md, figures/ and tables/ in --out (anything else there is left alone): a README.md it
+    did not write, or figures/ or tables/ beside no report README, is refused before anything is written. The
+    report is made in a temporary folder inside --out and moved into place under a lock on the folder, so two
+    reports into one --out at once leave one whole report (the last), never a README from one and tables from
+    the other."""
+    if not cfg.out.strip():
+        raise ConfigError("--out is empty: give the report's folder (e.g. --out results/<name>)")
     check_out_dir(cfg.out, "--out")
+    out = Path(cfg.out)
+    check_report_folder(out)
     data = load_runs(cfg.runs)
     data = add_groups(data, group_keys(data, cfg.group_by))
-    out = Path(cfg.out)
     data.runs = relative_paths(data.runs, out)
     baseline = read_baseline(cfg.baseline) if cfg.baseline else None
-    tables = write_tables(data, out / "tables", cfg.last_k, cfg.equivalence_margin, baseline)
-    figures, skipped = write_figures(data, out / "figures")
-    paired = paired_markdown(tables.get("paired_comparisons"), cfg.equivalence_margin)
-    learning = learning_markdown(tables["learning"]) + baseline_section(baseline, tables.get("against_baseline"))
-    text = summary_markdown(data, cfg, tables["final_scores"], figures, learning + (paired + "\n" if paired else ""))
-    text += scaling_markdown(tables) + skipped_markdown(skipped)
-    (out / "README.md").write_text(text, encoding="utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))
+    try:
+        tables = write_tables(data, work / "tables", cfg.last_k, cfg.equivalence_margin, baseline)
+        figures, skipped = write_figures(data, work / "figures")
+        (work / "figures").mkdir(exist_ok=True)
+        paired = paired_markdown(tables.get("paired_comparisons"), cfg.equivalence_margin)
+        learning = learning_markdown(tables["learning"]) + baseline_section(baseline, tables.get("against_baseline"))
+        dropped = dropped_runs(data, FINAL_METRICS, cfg.last_k)
+        text = summary_markdown(data, cfg, tables["final_scores"], figures,
+                                learning + (paired + "\n" if paired else ""), dropped)
+        text += scaling_markdown(tables) + skipped_markdown(skipped)
+        (work / "README.md").write_text(text, encoding="utf-8")
+        move_into_place(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    notes = [f"{len(data.missing)} planned run(s) of the sweep have no run directory ({_listed(data.missing)})"
+             ] if data.missing else []
+    notes += [f"{metric} has no finite value in {_listed(runs)}, left out of its scores"
+              for metric, runs in dropped.items()]
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
-          f"{len(figures)} figures, {len(tables)} tables")
+          f"{len(figures)} figures, {len(tables)} tables" + "".join(f"; note: {n}" for n in notes))
     return out
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def is_report_readme(path: Path) -> bool:
+    """A README.md written by `moe-rl report`: its title line, then "Made by"."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()[:3]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return len(lines) == 3 and lines[0].startswith("# Report: ") and lines[2] == "Made by"
+
+
+def check_report_folder(out: Path) -> None:
+    """Refuse an --out whose README.md, figures/ or tables/ the report did not write (ConfigError, one line)."""
+    readme = out / "README.md"
+    if readme.exists():
+        if not is_report_readme(readme):
+            raise ConfigError(f"--out {out}: {readme} was not written by moe-rl report, which would replace it; "
+                              "nothing was written: choose another --out, or move the file")
+        return
+    held = [name for name in REPORT_FILES[1:] if (out / name).exists()
+            and (not (out / name).is_dir() or any((out / name).iterdir()))]
+    if held:
+        raise ConfigError(f"--out {out} holds {' and '.join(f'{n}/' for n in held)} but no report README.md: they "
+                          "were not written by moe-rl report, which would replace them; nothing was written: choose "
+                          "another --out")
+
+
+def move_into_place(work: Path, out: Path) -> None:
+    """Replace README.md, figures/ and tables/ of `out` by those made in `work`, under an exclusive lock on `out`
+    (one report at a time; checked again under it). What is replaced goes into `work`, removed by the caller."""
+    handle = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        check_report_folder(out)
+        old = work / ".replaced"
+        old.mkdir()
+        for name in REPORT_FILES:
+            if (out / name).exists():
+                os.replace(out / name, old / name)
+            os.replace(work / name, out / name)
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def dropped_runs(data: RunSet, metrics, last_k: int) -> dict[str, list[str]]:
+    """{metric: runs} of the runs whose final value of a metric is missing (never finite) while another run of their
+    group has one: final_scores leaves them out, and the README says so."""
+    dropped: dict[str, list[str]] = {}
+    for metric in (m for m in metrics if m in data.steps.columns):
+        finals = run_finals(data.steps, metric, last_k).dropna()
+        have = set(data.runs.loc[data.runs["run"].isin(finals.index), "group"])
+        runs = data.runs[~data.runs["run"].isin(finals.index) & data.runs["group"].isin(have)]["run"].tolist()
+        if runs:
+            dropped[metric] = sorted(runs)
+    return dropped
 
 
 def relative_paths(frame: pd.DataFrame, base: Path) -> pd.DataFrame:
@@ -263,7 +353,7 @@ def _shared_config(data: RunSet) -> dict:
 
 
 def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figures: list[str],
-                     learning: str = "") -> str:
+                     learning: str = "", dropped: dict[str, list[str]] | None = None) -> str:
     status = data.runs["status"].value_counts().to_dict()
     varying = [k for k in data.varying() if k != "out_dir"]
     runs = data.runs[["run", "group", "seed", "status", "last_step", "reason", *varying]]
@@ -282,7 +372,9 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         f"{len(data.runs)} runs ({', '.join(f'{n} {s}' for s, n in status.items())}) in {len(data.groups)} "
         f"groups by {', '.join(f'`{k}`' for k in data.group_by) or 'nothing (one group)'}."
-        + (f" Skipped (not RL runs): {', '.join(data.skipped)}." if data.skipped else ""),
+        + (f" Skipped (not RL runs): {', '.join(data.skipped)}." if data.skipped else "")
+        + (f" Missing: {len(data.missing)} run(s) that sweep.json plans have no run directory under runs/ (not "
+           f"started, or deleted): {', '.join(data.missing)}." if data.missing else ""),
         "",
         learning + "## Final scores",
         "",
@@ -297,6 +389,8 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "",
         markdown_table(finals[["group", "metric", "n_runs", "n_diverged", "mean", "iqm", "ci"]]),
         "",
+        *[f"Left out of `{metric}` (no finite value in the window; n_runs counts the others): "
+          f"{', '.join(runs)}.\n" for metric, runs in (dropped or {}).items()],
         "## Figures",
         "",
         *[f"- `figures/{name}.png` (and `.pdf`): {FIGURES[name][1]}." for name in figures],

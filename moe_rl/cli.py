@@ -252,15 +252,45 @@ def _config_file(config_class, args: list[str]):
         return args, None
     path = arg.partition("=")[2] if "=" in arg else (args[at + 1] if at + 1 < len(args) else "")
     rest = args[:at] + args[at + (1 if "=" in arg else 2) :]
+    again = [a for a in rest if a == "--config-file" or a.startswith("--config-file=")]
+    if again:
+        raise ConfigError("--config-file is given twice; give one config file (the other flags override its fields)")
     if not path or path.startswith("--"):
         raise ConfigError("--config-file needs a path to a JSON or YAML config (e.g. runs/<name>/config.json)")
-    from moe_rl.rl.overrides import from_dict
+    import os
 
+    from moe_rl.rl.overrides import from_dict
+    from moe_rl.runs.claim import is_run_manifest
+
+    path = os.path.expanduser(path)  # a shell leaves `--config-file=~/...` as it is
     data = read_config_file(path)
+    if is_run_manifest(data):
+        raise ConfigError(f"--config-file {path} is a run's manifest.json, not a config: give the config.json beside "
+                          "it")
+    run_dir = _run_dir_of(path)
+    if run_dir is not None:  # a run's own config.json: the run is where the file is (copied or moved, it is the copy)
+        data = {**data, "out_dir": str(run_dir.absolute())}
     try:
         return rest, from_dict(config_class, data)
     except ConfigError as err:
         raise ConfigError(f"--config-file {path}: {err}") from None
+
+
+def _run_dir_of(path: str):
+    """The run directory holding `path`, when it is a run's config.json (beside a moe-rl manifest.json), else None."""
+    import json
+    from pathlib import Path
+
+    from moe_rl.runs.claim import is_run_manifest
+
+    folder = Path(path).parent
+    if Path(path).name != "config.json":
+        return None
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return folder if is_run_manifest(manifest) else None
 
 
 def read_config_file(path: str) -> dict:

@@ -83,8 +83,8 @@ def sft(cfg: SFTConfig) -> Path:
     """Train the warm start; returns the run directory (its checkpoints/latest.pt holds the model)."""
     torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
-    cfg = replace(cfg, out_dir=cfg.out_dir or fresh_run_name(stem="sft"))
-    claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None)
+    cfg = replace(cfg, out_dir=str(Path(cfg.out_dir or fresh_run_name(stem="sft")).expanduser().absolute()))
+    claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None, kind="sft")
     with StopOnSignal() as stop:
         return _sft_in_claim(cfg, claim, device, stop)
 

@@ -24,6 +24,7 @@ any rank stops every rank, and `--resume` needs the same number of ranks.
 from __future__ import annotations
 
 import gc
+import shlex
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -50,7 +51,9 @@ def train(cfg: TrainConfig) -> Path:
     torch.set_num_threads(cfg.threads)
     with distributed.process_group(resolve_device(cfg.device)) as device, StopOnSignal() as stop:
         cfg.check_data_parallel(distributed.world_size())
-        cfg = replace(cfg, out_dir=run_dir_name(cfg))
+        # Absolute: the config.json, the manifest and the printed resume command name the run wherever they are read.
+        # `~` too, which a shell leaves as it is after `--out-dir=`.
+        cfg = replace(cfg, out_dir=str(Path(run_dir_name(cfg)).expanduser().absolute()))
         _train_on_this_rank(cfg, device, stop)
         # The trainer (and its DDP wrapper, which holds the process group) is gone before the group is destroyed;
         # tearing the group down under a live DDP reducer could abort the process at exit.
@@ -157,7 +160,7 @@ def _ending(run: RunDir) -> str | None:
         return run.manifest.get("reason")
     if (run.manifest.get("interrupted") or {}).get("resumes_from_step") is None:
         return f"no checkpoint yet: the same command starts it over ({run.path})"
-    return f"resume with: moe-rl train --config-file {run.path / 'config.json'} --resume"
+    return f"resume with: moe-rl train --config-file {shlex.quote(str(run.path.absolute() / 'config.json'))} --resume"
 
 
 def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop: StopOnSignal) -> None:

@@ -25,6 +25,13 @@ TrackerName = Literal["tensorboard", "wandb"]
 ROUTING_MODES, DEVICES = MODE_NAMES, get_args(Device)
 
 
+def check_out_dir_named(config) -> None:
+    """`--out-dir ''` would put the run into the working directory: refused (None, the default, names a new one)."""
+    if config.out_dir is not None and not config.out_dir.strip():
+        raise ConfigError(f"out_dir={config.out_dir!r} is empty: give the run's directory (e.g. --out-dir runs/<name>), "
+                          "or leave the flag out for a new runs/<time>-<name>")
+
+
 def check_numbers(config) -> None:
     """What every command's config passes before anything else: no NaN or Inf in any float field (each named by its
     dotted path), and a rotary base > 0 (theta = 0 gives NaN angles, reported much later as a divergence)."""
@@ -175,6 +182,7 @@ class TrainConfig:
         return RoutingMode.of(self.routing_mode, self.replay)
 
     def __post_init__(self) -> None:
+        check_out_dir_named(self)
         check_numbers(self)
         check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
         check_choice("device", self.device, DEVICES)
@@ -252,6 +260,7 @@ class SFTConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
+        check_out_dir_named(self)
         check_numbers(self)
         check_choice("device", self.device, DEVICES)
         for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads", "print_every"):

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import ConfigError
+from moe_rl.runs.atomic import TEMP_SUFFIX
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST, checkpoint_step, kept_checkpoints, link_copy, load_checkpoint
 from moe_rl.runs.digest import check_resumable_dir, input_changes
 from moe_rl.runs.lock import LOCK_FILE, RunLock
-from moe_rl.runs.runlog import TABLE_KINDS, RunDir, RunExistsError, read_config, read_manifest
+from moe_rl.runs.runlog import STATUSES, TABLE_KINDS, RunDir, RunExistsError, read_config, read_manifest
 
 RESULT_STATUSES = ("finished", "diverged")  # a run that ended this way is a result: never started over
 
@@ -53,6 +54,7 @@ class Claim:
     checkpoint: Path | None = None  # the file a resume restores: checkpoints/latest.pt, or --resume-from's
     manifest: dict[str, Any] = field(default_factory=dict)  # the run's manifest (resume)
     created: bool = False  # the claim made the directory
+    kind: str = "train"  # train | sft: the command whose run lives here (manifest `kind`)
 
     def release(self) -> None:
         """Release the lock; a directory this claim made and nothing was written to goes too."""
@@ -95,6 +97,9 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out-dir") -> None:
     if len(os.fsencode(longest)) > limit:
         raise ConfigError(f"{flag} {path}: the name {longest[:24]}... is {len(os.fsencode(longest))} bytes long; "
                           f"the file system allows {limit} per file or folder name: choose a shorter {flag}")
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist: make the "
+                          f"folder it points to, or choose another {flag}")
     if existing == path and not path.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a directory; choose another {flag}")
     if not existing.is_dir():
@@ -118,25 +123,91 @@ def _name_max(folder: Path) -> int:
 
 
 def claim_run_dir(out_dir: str | os.PathLike, *, resume: bool, total_steps: int,
-                  resume_flag: str | None = "--resume", resume_from: str | os.PathLike | None = None) -> Claim:
+                  resume_flag: str | None = "--resume", resume_from: str | os.PathLike | None = None,
+                  kind: str = "train") -> Claim:
     """Check, lock and classify the run directory (see the module docstring); writes nothing but the lock file.
-    `resume_flag` is None for a command without resume (sft), whose refusals then never suggest one."""
+    `resume_flag` is None for a command without resume (sft), whose refusals then never suggest one. `kind` (train |
+    sft) is the command: a directory holding the other command's run, or files moe-rl did not write, is refused
+    before the lock file is made."""
+    if not str(out_dir).strip():
+        raise ConfigError("--out-dir is empty: give the run's directory (e.g. --out-dir runs/<name>), or leave the "
+                          "flag out for a new runs/<time>-<name>")
     path = Path(out_dir)
     check_out_dir(path)
     if (resume or resume_from) and not path.exists():
         raise FileNotFoundError(f"nothing to resume: {path} does not exist (check the run name)")
+    check_owned(path, kind)
     created = not path.exists()
     lock = RunLock.acquire(path)
-    claim = Claim(path, "start", lock, created=created)
+    claim = Claim(path, "start", lock, created=created, kind=kind)
     try:
+        check_owned(path, kind)  # again under the lock: another process may have written meanwhile
         claim = _classify(path, resume, total_steps, resume_flag, lock, resume_from)
-        claim.created = created
+        claim.created, claim.kind = created, kind
         if claim.action == "resume":
             _verify_resume(claim)
         return claim
     except BaseException:
         claim.release()
         raise
+
+
+def is_run_manifest(manifest: Any) -> bool:
+    """A manifest.json written by moe-rl: a JSON object with a known status and a start time."""
+    return isinstance(manifest, dict) and manifest.get("status") in STATUSES and "started_at" in manifest
+
+
+def run_kind(path: Path, manifest: dict[str, Any]) -> str | None:
+    """train | sft: the manifest's `kind`, or for a run from before it was kept, read off its config.json (an RL
+    config has total_steps, an SFT config steps); None when neither tells."""
+    if manifest.get("kind") in ("train", "sft"):
+        return manifest["kind"]
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(config, dict) and "total_steps" in config:
+        return "train"
+    return "sft" if isinstance(config, dict) and "steps" in config else None
+
+
+def foreign_files(path: Path) -> list[str]:
+    """The names in a directory other than the lock and moe-rl's own temporary files (what makes it not empty)."""
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE
+                  and not (p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX)))
+
+
+def check_owned(path: Path, kind: str) -> None:
+    """Refuse a run directory that is neither new, empty, nor a moe-rl run of this command (`kind`): a folder of the
+    user's files (a config.json, metrics.jsonl or anything else that moe-rl did not write, e.g. `--out-dir .`), a
+    manifest.json that cannot be read, or the other command's run (train into an sft run and the reverse)."""
+    for parent in path.absolute().parents:
+        if (parent / "manifest.json").is_file() and is_run_manifest(_manifest(parent)):
+            raise ConfigError(f"--out-dir {path} is inside the run {parent}: a run directory cannot hold another run "
+                              "(moe-rl report would never see it); choose a directory outside it")
+    names = foreign_files(path)
+    if not names:
+        return
+    if "manifest.json" not in names and {"config.json", CHECKPOINTS} <= set(names):
+        raise ConfigError(f"--out-dir {path} holds a run whose manifest.json is gone (config.json and {CHECKPOINTS}/ "
+                          "but no manifest.json), so what a resume verifies is lost; nothing was changed: restore "
+                          "manifest.json from a copy, or start a new run (another --out-dir) from its checkpoint with "
+                          f"--init-from {path / CHECKPOINTS / LATEST}")
+    if "manifest.json" in names:
+        manifest = read_manifest(path)  # DataError naming the file when it cannot be read
+        if is_run_manifest(manifest):
+            other = run_kind(path, manifest)
+            if other is not None and other != kind:
+                how = (f"to start RL from it, use --init-from {path / CHECKPOINTS / LATEST} with a new --out-dir"
+                       if other == "sft" else "choose another --out-dir")
+                raise ConfigError(f"--out-dir {path} holds a moe-rl {other} run, not a {kind} run; nothing was "
+                                  f"changed: {how}")
+            return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise ConfigError(f"--out-dir {path} is not empty and is not a moe-rl run (it holds {shown}, and no manifest.json "
+                      "written by moe-rl); nothing was changed: choose a new or empty directory")
 
 
 def _classify(path: Path, resume: bool, total_steps: int, resume_flag: str | None, lock: RunLock,
@@ -239,7 +310,7 @@ def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any,
     an attempt that saved no checkpoint left, a tracker id that stays the run's across resumes, and the content
     hashes of its `inputs` (moe_rl.tasks.digest)."""
     if claim.action == "resume":
-        run = RunDir(claim.path, config, resume=True, seed=seed, device=device)
+        run = RunDir(claim.path, config, resume=True, seed=seed, device=device, kind=claim.kind)
         run.manifest["resumes"][-1]["from"] = {"checkpoint": claim.checkpoint.name, "step": claim.step}
         records = run.manifest.get("checkpoints", {})  # after a rollback: the newer files were moved away
         run.manifest["checkpoints"] = {name: r for name, r in records.items() if r.get("step", 0) <= claim.step}
@@ -249,7 +320,7 @@ def open_claimed(claim: Claim, config: Any, *, seed: int | None, device: Any,
     else:
         earlier = earlier_attempt(claim)
         clear_attempt(claim)
-        run = RunDir(claim.path, config, seed=seed, device=device)
+        run = RunDir(claim.path, config, seed=seed, device=device, kind=claim.kind)
         if earlier is not None:
             run.manifest["earlier_attempts"] = [*claim.earlier.get("earlier_attempts", []), earlier]
     run.manifest.setdefault("tracker_id", claim.earlier.get("tracker_id") or uuid.uuid4().hex[:12])

@@ -53,6 +53,14 @@ def check_resumable_dir(run_dir: Path, step: int, manifest: dict[str, Any], chec
     if checkpoint.name == LATEST and last is not None and last > step:
         raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is at step {step}, but the run saved step {last} "
                           f"last (manifest.json): it was replaced by an older file. Put the newest back, or {fresh}")
+    if last is not None and step > last:  # newer than every save the run recorded: its own only if a kill came
+        metrics = metrics_digest(run_dir, step)  # between the save and its record, after the step's metrics
+        logged = None if metrics is None else metrics["last_step"]
+        if logged is None or logged < step - 1:
+            held = "no step" if logged is None else f"steps up to {logged}"
+            raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is at step {step}, but the run saved checkpoints "
+                              f"up to step {last} (manifest.json) and logged {held} ({METRICS}): it is not this "
+                              f"run's checkpoint (copied from another run?). Put the run's own file back, or {fresh}")
     saved = _saved_record(manifest, checkpoint.name, step)
     if saved.get("sha256") not in (None, file_sha256(checkpoint)):
         raise ConfigError(f"cannot resume {run_dir}: {checkpoint} is not the checkpoint this run saved at step {step} "

@@ -43,7 +43,7 @@ import torch
 from moe_rl.errors import ConfigError, DataError, check_choice
 from moe_rl.runs.atomic import atomic_write, atomic_write_text, remove_stale_temp_files
 from moe_rl.runs.checkpoint import LATEST, checkpoint_name
-from moe_rl.runs.digest import checkpoint_record
+from moe_rl.runs.digest import checkpoint_record, text_sha256
 from moe_rl.runs.jsonlog import MetricsWriter, read_jsonl
 from moe_rl.runs.provenance import environment, utc_now
 
@@ -57,10 +57,14 @@ TABLE_KINDS = ("routing", "samples")
 # Config fields that may differ between a run and its resume. An entry with a dot names one field
 # ("train.total_steps"); an entry without a dot names a field at any depth. Everything else must match, or the
 # resumed run would silently be a different experiment than the one its first half belongs to.
-# out_dir: a run directory may be renamed or spelled ./name; quiet, print_every and the W&B place change no result.
-RESUMABLE_FIELDS = ("total_steps", "resume", "resume_from", "log_every", "checkpoint_every", "keep_every", "trackers", "out_dir",
-                    "quiet", "print_every", "log.wandb.project", "log.wandb.entity", "log.wandb.group",
-                    "wandb.project", "wandb.entity", "wandb.group")
+# The step budget, the checkpoint and logging cadence (samples/ tables read no random state), quiet and the
+# mirrors change no result; out_dir: a run directory may be renamed or moved; resume and resume_from say how a run
+# was launched (they are never saved: LAUNCH_FIELDS).
+RESUMABLE_FIELDS = ("total_steps", "resume", "resume_from", "checkpoint_every", "keep_every", "log.samples_every",
+                    "log.samples_per_step", "trackers", "out_dir", "quiet", "print_every", "log.wandb.project",
+                    "log.wandb.entity", "log.wandb.group", "wandb.project", "wandb.entity", "wandb.group")
+# How a run was launched, not what it is: config.json holds their defaults (the resumes are in manifest.json).
+LAUNCH_FIELDS = {"resume": False, "resume_from": None}
 PATH_FIELDS = ("init_from", "out_dir", "path", "eval_path")  # compared as paths: ./x is x
 ABSENT = "<absent>"  # a config field that one of two configs lacks
 
@@ -142,24 +146,62 @@ def field_defaults(config: Any) -> dict[str, Any]:
 
 
 def check_resumable(saved: Mapping, new: Mapping, may_change: Iterable[str], where: Path,
-                    defaults: Mapping[str, Any] | None = None) -> dict[str, tuple]:
+                    defaults: Mapping[str, Any] | None = None, roots: tuple[Any, Any] = (None, None),
+                    source: str = "its config.json") -> dict[str, tuple]:
     """Refuse to resume when the config changed outside `may_change`; return the changes that are allowed. A field
     that the saved config lacks and the new one holds at its default (`defaults`) is one added to moe-rl since the
-    run started: the run ran with that default's behaviour, so it is no change."""
+    run started: the run ran with that default's behaviour, so it is no change. `roots` are the run directories
+    the two configs were written for: an absolute path inside a run's parent that moved with it (a sweep's warm
+    start) is the same path. One line, naming each field that differs."""
     may_change = tuple(may_change)
     differences = config_differences(saved, new)
     defaults = defaults or {}
     added = {key for key, (old, value) in differences.items()
              if old == ABSENT and key in defaults and _same(key, defaults[key], value)}
     refused = {key: pair for key, pair in differences.items()
-               if not _may_change_on_resume(key, may_change) and key not in added}
+               if not _may_change_on_resume(key, may_change) and key not in added
+               and not _same_place(key, *pair, roots)}
     if refused:
-        lines = "\n".join(f"  {key}: saved {old!r}, now {new!r}" for key, (old, new) in refused.items())
+        shown = "; ".join(f"{key}: the run has {_short(old)}, this command {_short(value)}"
+                          for key, (old, value) in refused.items())
         raise ConfigError(
-            f"cannot resume {where}: the config differs from its config.json in {', '.join(refused)}:\n{lines}\n"
-            f"Only {', '.join(may_change)} may change on resume; start a new run (a new name) to change the others."
+            f"cannot resume {where}: the config differs from {source} in {', '.join(refused)} ({shown}); a resume may "
+            "change only the step budget, the checkpoint and logging cadence, quiet and the trackers: restore the "
+            "config, or start a new run (another --out-dir) from the run's checkpoint with --init-from "
+            f"{Path(where) / 'checkpoints' / 'latest.pt'}"
         )
     return differences
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same_place(key: str, old: Any, new: Any, roots: tuple[Any, Any]) -> bool:
+    """Two absolute paths that lie at the same place relative to their configs' run directories: a run directory
+    moved or copied together with what it points at (a sweep directory with its warm starts)."""
+    old_root, new_root = roots
+    if key.rsplit(".", 1)[-1] not in PATH_FIELDS or not all(isinstance(v, str) and os.path.isabs(v)
+                                                           for v in (old, new, old_root, new_root)):
+        return False
+    return os.path.relpath(old, old_root) == os.path.relpath(new, new_root)
+
+
+def experiment_record(config: Mapping[str, Any], run_dir: Path, may_change: Iterable[str] = RESUMABLE_FIELDS) \
+        -> dict[str, Any]:
+    """manifest.json `experiment`: the config's fields that a resume may not change (flat, dotted), their sha256,
+    and the absolute run directory they were written for. A resume is checked against it, not against config.json,
+    which a hand edit could have changed."""
+    may_change = tuple(may_change)
+    fields = {key: value for key, value in flatten(config).items() if not _may_change_on_resume(key, may_change)}
+    return {"sha256": text_sha256(json.dumps(fields, sort_keys=True)), "out_dir": str(Path(run_dir).absolute()),
+            "config": fields}
+
+
+def without_launch_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with resume and resume_from at their defaults: what ran, not how it was last launched."""
+    return {**config, **{k: v for k, v in LAUNCH_FIELDS.items() if k in config}}
 
 
 def _find_seed(config: Mapping[str, Any]) -> Any:
@@ -195,10 +237,12 @@ class RunDir:
         seed: int | None = None,
         device: str | torch.device | None = None,
         may_change_on_resume: Sequence[str] = RESUMABLE_FIELDS,
+        kind: str | None = None,
     ):
         self.path = Path(path)
+        self.kind = kind
         self.defaults = field_defaults(config) if dataclasses.is_dataclass(config) else {}
-        self.config = config_to_dict(config)
+        self.config = without_launch_fields(config_to_dict(config))
         self.config_path = self.path / "config.json"
         self.manifest_path = self.path / "manifest.json"
         self.metrics_path = self.path / "metrics.jsonl"
@@ -206,32 +250,54 @@ class RunDir:
         if resume:
             self.manifest = self._continue_run(device, may_change_on_resume)
         else:
-            self.manifest = self._start_run(seed, device)
+            self.manifest = self._start_run(seed, device, may_change_on_resume)
         self.mark_running()
 
     def __fspath__(self) -> str:
         return str(self.path)
 
-    def _start_run(self, seed: int | None, device: str | torch.device | None) -> dict[str, Any]:
+    def _start_run(self, seed: int | None, device: str | torch.device | None,
+                   may_change: Sequence[str]) -> dict[str, Any]:
         existing = self._run_files()
         if existing:
             raise RunExistsError(
                 f"{self.path} already holds a run ({', '.join(existing)}); "
                 "pass --resume to continue it, or choose a new run name"
             )
+        seed = _find_seed(self.config) if seed is None else seed
+        started = {"status": "running", "reason": None, "started_at": utc_now(), "ended_at": None}
+        kind = {"kind": self.kind} if self.kind else {}
+        self.manifest = {"name": self.path.name, **kind, **started, "seed": seed, **environment(device),
+                         "experiment": experiment_record(self.config, self.path, may_change), "resumes": []}
+        # The manifest first: a directory with any other file of the run in it is then known to be a run's
+        # (moe_rl.runs.claim refuses a non-empty directory without one).
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._write_manifest()
         self._make_folders()
         self.metrics_path.touch()
         atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")
-        seed = _find_seed(self.config) if seed is None else seed
-        started = {"status": "running", "reason": None, "started_at": utc_now(), "ended_at": None}
-        return {"name": self.path.name, **started, "seed": seed, **environment(device), "resumes": []}
+        return self.manifest
 
     def _continue_run(self, device: str | torch.device | None, may_change: Sequence[str]) -> dict[str, Any]:
         if not self.config_path.exists():
             raise FileNotFoundError(f"nothing to resume in {self.path}: it has no config.json; start a new run instead")
         # Both files are read and checked before either is written: a resume that is refused changes nothing.
-        changed = check_resumable(read_config(self.path), self.config, may_change, self.path, self.defaults)
+        saved = read_config(self.path)
         manifest = read_manifest(self.path)
+        here = str(self.path.absolute())
+        recorded = manifest.get("experiment")
+        if isinstance(recorded, dict) and isinstance(recorded.get("config"), dict):
+            # The config the run ran with (config.json may have been edited by hand since).
+            check_resumable(recorded["config"], self.config, may_change, self.path, self.defaults,
+                            roots=(recorded.get("out_dir"), here), source="the one it ran with (manifest.json)")
+            changed = {key: pair for key, pair in config_differences(saved, self.config).items()
+                       if _may_change_on_resume(key, may_change)}
+        else:  # a run from before the record was kept: its config.json
+            changed = check_resumable(saved, self.config, may_change, self.path, self.defaults,
+                                      roots=(saved.get("out_dir"), here))
+            manifest["experiment"] = experiment_record(self.config, self.path, may_change)
+        if self.kind and "kind" not in manifest:
+            manifest["kind"] = self.kind
         remove_stale_temp_files(self.path)  # the process that left them is dead: we are resuming its run
         self._make_folders()
         atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")

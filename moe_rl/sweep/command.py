@@ -28,6 +28,7 @@ import hashlib
 import inspect
 import json
 import os
+import shlex
 import signal
 import sys
 import typing
@@ -35,7 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, DataError
 from moe_rl.model import ModelConfig
 from moe_rl.model.config import NON_ARCHITECTURE_FIELDS
 from moe_rl.rl.overrides import coerce, get_field, parse_assignments, with_overrides
@@ -50,6 +51,7 @@ from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
 from moe_rl.sweep.sweepdir import (
     INDEX_CSV,
     RUNS,
+    SWEEP_JSON,
     WARMSTART,
     check_same_grid,
     planned_action,
@@ -183,10 +185,15 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         what = f"unknown experiment {cfg.experiment!r}" if cfg.experiment else "name an experiment"
         raise ConfigError(f"{what}; available: {', '.join(experiments)}")
     if cfg.sweep_dir is not None:
+        if not cfg.sweep_dir.strip():
+            raise ConfigError("--sweep-dir is empty: give the sweep's folder, or leave the flag out for "
+                              "sweeps/<experiment>")
+        cfg = dataclasses.replace(cfg, sweep_dir=os.path.expanduser(cfg.sweep_dir))
         check_out_dir(cfg.sweep_dir, "--sweep-dir")
     plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"),
                       parse_assignments(cfg.set))
     check_out_dir(plan.sweep_dir, "--sweep-dir")
+    check_sweep_folder(plan.sweep_dir)
     plan = with_stored_warm_starts(plan)  # a sweep stored by an older moe-rl keeps its warm start folders
     selected = plan.selected(parse_assignments(cfg.only, "--only"))
     print_plan(plan, check_same_grid(plan), cfg.retry_diverged, selected)
@@ -197,8 +204,8 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         try:
             index = run_local(plan, cfg.workers, cfg.retry_diverged, threads=cfg.threads, selected=selected)
         except KeyboardInterrupt as err:  # the workers were told too, and stopped at a checkpoint
-            print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir {plan.sweep_dir}",
-                  file=sys.stderr)
+            print(f"interrupted; run the same command again to resume: {plan.command()} --sweep-dir "
+                  f"{shlex.quote(str(plan.sweep_dir))}", file=sys.stderr)
             raise SystemExit(128 + getattr(err, "signum", signal.SIGINT)) from None
     else:
         try:
@@ -217,8 +224,35 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
         index = wait_for(jobs, plan.sweep_dir)
     counts = index["status"].value_counts().to_dict()
     print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"  -> {plan.sweep_dir / INDEX_CSV}")
-    if counts.get("failed"):
+    # A run of this invocation that was interrupted (its worker got a signal, not the sweep) did not finish either.
+    stopped = index[(index["status"] == "interrupted") & (index["name"].isin(selected) if selected is not None
+                                                            else True)]
+    if counts.get("failed") or len(stopped):
         raise SystemExit(1)
+
+
+def check_sweep_folder(sweep_dir: Path) -> None:
+    """A sweep directory is new, empty, or a sweep's (it holds sweep.json): a run directory or a folder of the
+    user's files is refused before anything is written into it."""
+    from moe_rl.runs.claim import is_run_manifest
+    from moe_rl.runs.runlog import read_json_object
+
+    for folder in (sweep_dir, *sweep_dir.parents):
+        if (folder / "manifest.json").is_file():
+            try:
+                manifest = read_json_object(folder / "manifest.json", "a manifest")
+            except DataError:
+                continue
+            if is_run_manifest(manifest):
+                raise ConfigError(f"--sweep-dir {sweep_dir} is {'a run' if folder == sweep_dir else 'inside the run'} "
+                                  f"{folder}: a sweep needs a folder of its own; choose a new or empty directory")
+    if not sweep_dir.is_dir() or (sweep_dir / SWEEP_JSON).exists():
+        return
+    names = sorted(p.name for p in sweep_dir.iterdir() if p.name not in (".lock", ".index.lock"))
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConfigError(f"--sweep-dir {sweep_dir} is not empty and holds no {SWEEP_JSON} (it holds {shown}): it is "
+                          "not a sweep's folder; nothing was written: choose a new or empty directory")
 
 
 def print_plan(plan: SweepPlan, existing: bool, retry_diverged: bool = False,

@@ -80,13 +80,18 @@ def execute_job(sweep_dir: str | os.PathLike, kind: str, name: str, threads: int
     try:
         result = _warmstart_job(data, name, threads) if kind == "warmstart" else _run_job(data, name, threads)
     except BaseException as err:  # also SystemExit from a submitit requeue and KeyboardInterrupt
-        update_record(sweep_dir, kind, name, state="ended", error=f"{type(err).__name__}: {err}".rstrip(": "))
+        update_record(sweep_dir, kind, name, state="ended", error=one_line(f"{type(err).__name__}: {err}"))
         raise
     else:
         update_record(sweep_dir, kind, name, state="ended", error=None)
     finally:
         write_index(sweep_dir)
     return result
+
+
+def one_line(text: str) -> str:
+    """An error as the one line index.csv and the progress line carry (a multi-line message joined with ' / ')."""
+    return " / ".join(line.strip() for line in text.splitlines() if line.strip()).rstrip(": ")
 
 
 def _run_job(data: Mapping, name: str, threads: int | None) -> dict[str, Any]:

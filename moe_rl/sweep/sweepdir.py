@@ -214,7 +214,9 @@ def job_status(sweep_dir: Path, kind: str, name: str, run_dir: Path) -> tuple[st
     record = read_record(sweep_dir, kind, name)
     died = record.get("state") == "ended" and record.get("error")
     manifest = manifest_or_none(run_dir)
-    if manifest is not None and not (manifest["status"] in ("running", "failed") and died):
+    # A job that failed without touching the manifest (a refused resume leaves it byte for byte) is failed, with the
+    # job's reason, whatever the manifest still says about the attempt before (e.g. interrupted); a result stands.
+    if manifest is not None and not (manifest["status"] not in ("finished", "diverged") and died):
         return manifest["status"], manifest.get("reason") or ""
     if died:
         return "failed", record["error"]

@@ -252,7 +252,7 @@ def test_runs_stopped_before_a_checkpoint_start_again_and_resume_keeps_every_lin
     assert [json.loads(line)["step"] for line in grown[len(kept) - 1 :]] == [2, 2, 3]  # 2 updates, then the eval
     assert [line.split()[1] for line in results[3]["out"].splitlines() if line.startswith("step ")] == ["3/3"]
     resumes = manifest(cont)["resumes"]
-    assert set(resumes[-1]["changed"]) == {"total_steps", "out_dir", "resume"}  # renamed: allowed, and recorded
+    assert set(resumes[-1]["changed"]) == {"total_steps", "out_dir"}  # renamed: allowed, and recorded
 
 
 # --- item 1: one writer per run directory ---------------------------------------------------------------------------

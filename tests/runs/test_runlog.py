@@ -139,7 +139,8 @@ def test_resume_with_a_different_config_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"optim\.lr") as error:
         RunDir(tmp_path / "tiny", changed, resume=True)
     assert "0.001" in str(error.value) and "0.0003" in str(error.value)
-    assert "config.json in optim.lr:" in str(error.value)  # only the differing key is named
+    assert "(manifest.json) in optim.lr (" in str(error.value)  # only the differing key is named
+    assert "\n" not in str(error.value)  # one line
     assert read_config(tmp_path / "tiny")["optim"]["lr"] == 1e-3  # the saved config is untouched
 
 
@@ -153,12 +154,15 @@ def test_a_field_added_since_the_run_started_resumes_only_at_its_default(tmp_pat
     saved = json.loads((tmp_path / "tiny" / "config.json").read_text())
     del saved["optim"]["betas"]
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(saved))
+    manifest = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
+    del manifest["experiment"]  # a run from before the manifest recorded its config
+    (tmp_path / "tiny" / "manifest.json").write_text(json.dumps(manifest))
     resumed = TinyConfig(optim=OptimConfig(betas=betas))
     if resumes:
         RunDir(tmp_path / "tiny", resumed, resume=True)
         assert read_config(tmp_path / "tiny")["optim"]["betas"] == [0.9, 0.95]
     else:
-        with pytest.raises(ConfigError, match=r"optim\.betas: saved '<absent>', now \[0\.8, 0\.95\]"):
+        with pytest.raises(ConfigError, match=r"optim\.betas: the run has '<absent>', this command \[0\.8, 0\.95\]"):
             RunDir(tmp_path / "tiny", resumed, resume=True)
 
 
