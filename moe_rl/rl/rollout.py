@@ -285,14 +285,16 @@ def encode_prompts(prompts: list[str], tokenizer, device) -> tuple[torch.Tensor,
 
 def generate_groups(model, task, tokenizer, problems, group_size: int, cfg: SamplingConfig,
                     generator: torch.Generator | None, record: bool,
-                    record_weights: bool = False) -> tuple[Generation, torch.Tensor, list[str]]:
-    """Sample `group_size` completions per problem; return the generation, rewards (rows grouped by problem:
-    row i*G + g is completion g of problem i) and the decoded completions."""
+                    record_weights: bool = False, engine=None) -> tuple[Generation, torch.Tensor, list[str]]:
+    """Sample `group_size` completions per problem with `engine` (moe_rl.rl.engines; None: this sampler); return
+    the generation, rewards (rows grouped by problem: row i*G + g is completion g of problem i) and the decoded
+    completions."""
     device = next(model.parameters()).device
     prompts = [p.prompt for p in problems for _ in range(group_size)]
     ids_BP, valid_BP = encode_prompts(prompts, tokenizer, device)
-    gen = generate(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record,
-                   record_weights=record_weights)
+    sample = generate if engine is None else engine.generate
+    gen = sample(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record,
+                 record_weights=record_weights)
     completions = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
     rewards = [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
     return gen, torch.tensor(rewards, dtype=torch.float32), completions
