@@ -100,9 +100,12 @@ class VLLMEngine:
         B, P = ids_BP.shape
         prompts = [{"prompt_token_ids": row[mask].tolist()} for row, mask in zip(ids_BP.cpu(), valid_BP.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator).tolist()
+        # Only `eos_id` ends a completion, as in moe-rl's sampler (ignore_eos: not the checkpoint's own EOS from its
+        # generation config); a negative id: none does.
+        stop = [eos_id] if eos_id >= 0 else []
         params = [SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 logprobs=0, seed=seed, stop_token_ids=[eos_id], ignore_eos=False,
-                                 detokenize=False) for seed in seeds]
+                                 logprobs=0, seed=seed, stop_token_ids=stop, ignore_eos=True, detokenize=False)
+                  for seed in seeds]
         self.llm.collective_rpc("moe_rl_capture_take")  # drop anything computed outside this call
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         captured = self.llm.collective_rpc("moe_rl_capture_take")[0]
