@@ -80,7 +80,7 @@ class VLLMEngine:
         """Load `model`'s weights into the engine unless it already holds those of `version`."""
         if version == self.version:
             return
-        state = {name: tensor.detach().clone() for name, tensor in model.hf.state_dict().items()}
+        state = checkpoint_state(model.hf)
         self.repacked = self.llm.collective_rpc("moe_rl_load", args=(state,))[0]
         self.version = version
 
@@ -152,6 +152,18 @@ class VLLMEngine:
     def close(self) -> None:
         self.llm = None
         self.folder.cleanup()
+
+
+def checkpoint_state(hf_model) -> dict[str, torch.Tensor]:
+    """The model's weights under the names and layout of its saved checkpoint, which vLLM's loader reads:
+    transformers 5 renames and fuses some weights on load (Mixtral's `block_sparse_moe` is `mlp` in memory, experts
+    are fused into one tensor) and `save_pretrained` reverts that; so does this, without writing a file."""
+    state = {name: tensor.detach().clone() for name, tensor in hf_model.state_dict().items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions: its names are the checkpoint's
+        return state
+    return revert_weight_conversion(hf_model, state)
 
 
 def _request_rows(captured: dict, request_id: str) -> dict:

@@ -23,12 +23,12 @@ from moe_rl.tasks import CharTokenizer  # noqa: E402
 PROMPTS = ["1+2=", "12+345=", "7=", "40+5+61=", "3+3=", "99+1="]
 
 
-def _model(seed=0):
-    """A tiny Qwen3-MoE (head_dim 32: vLLM's CPU attention serves 32, 64, 128, ...), fp32."""
+def _model(seed=0, family="qwen3_moe", n_layers=3):
+    """A tiny model of `family` (head_dim 32: vLLM's CPU attention serves 32, 64, 128, ...), fp32."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(backend="hf", hf_config="qwen3_moe", vocab_size=99, d_model=64, n_layers=3, n_heads=2,
+    cfg = ModelConfig(backend="hf", hf_config=family, vocab_size=99, d_model=64, n_layers=n_layers, n_heads=2,
                       n_kv_heads=1, n_experts=8, top_k=2, d_expert=32, d_dense=64, max_seq_len=64, init_std=0.1)
-    return tiny_hf_model("qwen3_moe", cfg).eval()
+    return tiny_hf_model(family, cfg).eval()
 
 
 def _trainer_view(model, gen, temperature=1.0):
@@ -96,6 +96,27 @@ def test_weight_sync_reaches_the_engine(fp32):
     assert (after.logprobs_BN - logp_BN)[mask].abs().max() < 1e-5
     assert churn_stats(after.routing, routing, _fed_BS(after)).set_change == 0.0
     assert (before.logprobs_BN - old_logp)[before.response_mask_BN].abs().max() > 1e-3  # the old ones are stale
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_other_families_equal_the_trainer_before_and_after_a_sync(family):
+    """Qwen2-MoE (a gated shared expert beside the routed ones) and Mixtral (whose MoE block transformers 5 renames
+    in memory: the sync sends checkpoint names) are served exactly too."""
+    model = _model(family=family, n_layers=2)
+    engine = build_engine("vllm", model, SamplingConfig(precision="trainer"))
+    try:
+        for version in (0, 1):
+            if version:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p) * 0.05)
+                engine.sync(model, version)
+            gen = _sample(engine, model, seed=version)
+            logp_BN, routing = _trainer_view(model, gen)
+            assert (gen.logprobs_BN - logp_BN)[gen.response_mask_BN].abs().max() < 1e-5
+            assert churn_stats(gen.routing, routing, _fed_BS(gen)).set_change == 0.0
+    finally:
+        engine.close()
 
 
 def test_bf16_engine_mismatch_is_real():
