@@ -34,10 +34,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# Everything: the whole suite (slow end-to-end cases included), then the numerics tests under the ISA caps.
+# Everything: the whole suite (slow end-to-end cases included), the numerics tests under the ISA caps, then the vLLM
+# engine's tests in their own environment (test-engine: installs it the first time, about 1.5 min).
 test: install
 	$(PYTEST) -n $(TEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-numerics
+	$(MAKE) --no-print-directory test-engine
 
 # The numerics tests (marked `numerics`: float64 bounds, bit-for-bit kernels, replay, KV cache) under each cap; the
 # AVX2 cap is skipped where AVX2 is already the widest the CPU has (it would repeat the uncapped run).
