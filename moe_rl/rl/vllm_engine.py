@@ -126,11 +126,17 @@ class VLLMEngine:
             steps = out.outputs[0].logprobs
             logprobs_BN[b, :n] = torch.tensor([step[token].logprob for step, token in zip(steps, response)])
         routing = self._routing(outputs, captured, valid_BP, responses, P, N, model) if record else None
-        return Generation(tokens_BS, valid_BS, P, logprobs_BN, routing)
+        # The positions the engine ran: every real token but each row's last, which it never feeds back.
+        routed_BS = valid_BS.clone()
+        last_B = P - 1 + torch.tensor([len(r) for r in responses], device=device)
+        routed_BS[torch.arange(B, device=device), last_B] = False
+        routed_BS = routed_BS[:, :-1] if record else None
+        return Generation(tokens_BS, valid_BS, P, logprobs_BN, routing, routed_BS=routed_BS)
 
     def _routing(self, outputs, captured, valid_BP, responses, P, N, model) -> RoutingTrace:
-        """The engine's expert ids over the trainer's input (tokens_BS[:, :-1]), MoE layers only; padding
-        positions hold experts 0..K-1 (never read: they are masked out of every loss and metric)."""
+        """The engine's expert ids over the trainer's input (tokens_BS[:, :-1]), MoE layers only; padding and each
+        row's last token (never fed back) hold experts 0..K-1: no loss reads them, and `Generation.routed_BS` leaves
+        them out of the routing metrics."""
         sites = routing_sites(model)
         K = sites[0].top_k
         B, S = len(outputs), P + N - 1

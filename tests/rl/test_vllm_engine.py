@@ -76,6 +76,7 @@ def test_fp32_engine_equals_the_trainer(fp32):
     mask = gen.response_mask_BN
     assert mask.sum() > len(PROMPTS) and (mask.sum(1) < mask.shape[1]).any()  # several lengths, some EOS
     assert (gen.logprobs_BN - logp_BN)[mask].abs().max() < 1e-5
+    assert torch.equal(gen.routed_BS, _fed_BS(gen))  # the engine names the positions it ran
     stats = churn_stats(gen.routing, trainer_routing, _fed_BS(gen))
     assert stats.n_tokens == int(gen.valid_BS.sum()) - len(PROMPTS)
     assert (stats.set_change, stats.token_any, stats.churn) == (0.0, 0.0, 0.0)
@@ -135,7 +136,7 @@ def test_bf16_engine_mismatch_is_real():
           f"set_change {stats.set_change:.4f} token_any {stats.token_any:.4f} over {stats.n_tokens} tokens")
 
 
-def _train(tmp_path, precision: str) -> list[dict]:
+def _train(tmp_path, precision: str, *extra: str) -> list[dict]:
     """Two rollout steps through the CLI: tiny Qwen3-MoE, vLLM engine, R3, the rollout mismatch probe on."""
     from moe_rl.cli import main
 
@@ -145,7 +146,7 @@ def _train(tmp_path, precision: str) -> list[dict]:
             "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64", "--rollout.engine", "vllm",
             "--routing-mode", "R3", "--rollout.sampling.precision", precision, "--total-steps", "2",
             "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--probes.enabled", "rollout",
-            "--out-dir", str(out)]
+            "--out-dir", str(out), *extra]
     assert main(args) == 0
     import json
 
@@ -153,7 +154,8 @@ def _train(tmp_path, precision: str) -> list[dict]:
 
 
 def test_cli_r3_with_the_fp32_engine_has_no_mismatch(tmp_path):
-    lines = [m for m in _train(tmp_path, "trainer") if "routing/rollout/set_change" in m]
+    # Over every position the engine ran (prompt tokens included), not only those that score the response.
+    lines = [m for m in _train(tmp_path, "trainer", "--probes.tokens", "all") if "routing/rollout/set_change" in m]
     assert {m["step"] for m in lines} == {0, 1}  # both rollout steps
     assert all(m["routing/rollout/set_change"] == 0.0 for m in lines)
     assert all(m["rollout/kl"] < 1e-10 for m in lines)  # k3 of the engine vs the trainer's old pass
