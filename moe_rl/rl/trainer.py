@@ -39,7 +39,7 @@ from moe_rl.rl import distributed
 from moe_rl.rl.advantages import group_advantages, reward_stats, zero_std_groups
 from moe_rl.rl.build import build_model, build_model_tokenizer, make_optimizer
 from moe_rl.rl.correction import Correction, corrected_loss_inputs, mismatch_metrics, rollout_correction
-from moe_rl.rl.engines import build_engine
+from moe_rl.rl.engines import EngineFailed, build_engine
 from moe_rl.rl.heldout import heldout_metrics
 from moe_rl.rl.policy import PolicyOutput, policy_forward
 from moe_rl.rl.probes import NativeRouting, Prober, probes_whole_batch
@@ -183,8 +183,8 @@ class Trainer:
         record = self.routing.replays_sampler or "rollout" in cfg.probes.enabled
         self.model.eval()
         engine = self.rollout_engine()
-        engine.sync(self.model, self.updates)  # the policy after this run's optimizer steps so far
         try:
+            engine.sync(self.model, self.updates)  # the policy after this run's optimizer steps so far
             with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
                 gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
                                                               cfg.rollout.group_size, cfg.rollout.sampling,
@@ -193,6 +193,15 @@ class Trainer:
                                                               engine=engine)
         except FloatingPointError as err:
             raise Diverged(f"{err} at step {self.step}") from err
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            if engine.name == "native":
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise EngineFailed(f"rollout engine {engine.name} failed at rollout step {self.step} "
+                               f"({type(err).__name__}: {first}); the run resumes from its last checkpoint with "
+                               "--resume") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
         advantages_B = group_advantages(rewards_NG, scale_by_std=self.spec.normalize_adv_by_std).reshape(-1)
         prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]

@@ -65,3 +65,24 @@ def test_vllm_engine_without_vllm_is_a_one_line_error_naming_the_install():
 def test_what_the_vllm_engine_cannot_serve_is_refused(backend, precision, gate_weights, match):
     with pytest.raises(ConfigError, match=match):
         check_engine_config("vllm", SamplingConfig(precision=precision), backend, gate_weights)
+
+
+def test_an_engine_that_dies_is_a_named_error(tmp_path):
+    """A rollout engine that fails mid-run (here a stand-in whose generate raises, as a dead vLLM engine does) stops
+    the run with EngineFailed naming the engine and the step; the native sampler's own errors pass unchanged."""
+    from conftest import tiny_train_config
+
+    from moe_rl.rl.engines import EngineFailed
+    from moe_rl.rl.trainer import Trainer
+
+    class Dead(NativeEngine):
+        name = "vllm"
+
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("EngineCore encountered an issue\nsecond line")
+
+    trainer = Trainer(tiny_train_config(tmp_path / "run"), torch.device("cpu"))
+    trainer.engine = Dead()
+    with pytest.raises(EngineFailed, match=r"^rollout engine vllm failed at rollout step 0 \(RuntimeError: EngineCore "
+                                           r"encountered an issue\); the run resumes from its last checkpoint"):
+        trainer.rollout()
