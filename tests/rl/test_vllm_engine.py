@@ -165,3 +165,11 @@ def test_cli_r3_with_the_bf16_engine_shows_the_mismatch(tmp_path):
     lines = [m for m in _train(tmp_path, "bf16") if "rollout/log_ratio_abs_mean" in m]
     assert min(m["rollout/log_ratio_abs_mean"] for m in lines) > 1e-5
     assert max(m["rollout/kl"] for m in lines) > 1e-10
+
+
+def test_cli_resume_starts_the_engine_from_the_checkpoint(tmp_path):
+    """A resumed run builds its engine from the restored weights: the step after the resume has no mismatch."""
+    _train(tmp_path, "trainer", "--checkpoint-every", "1")
+    lines = _train(tmp_path, "trainer", "--checkpoint-every", "1", "--total-steps", "3", "--resume")
+    last = [m for m in lines if m["step"] == 2 and "routing/rollout/set_change" in m]
+    assert last and last[0]["routing/rollout/set_change"] == 0.0 and last[0]["rollout/kl"] < 1e-10
