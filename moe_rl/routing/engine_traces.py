@@ -1,12 +1,22 @@
 """Routing traces from inference engines: read them, lay them out like the trainer's input, compare.
 
-vLLM (`--enable-return-routed-experts`, output field `routed_experts`) returns per request an int16 array
-`[sequence length - 1, MoE layers, K]`: row i holds the experts each MoE layer chose for token i of prompt + output,
-the forward whose logits predict token i + 1 (the last token is never fed back, hence the -1). SGLang
-(`--enable-return-routed-experts`, `meta_info["routed_experts"]`) reads the same `[sequence length - 1, layers, K]`
-rows from its capture buffer and returns them flattened and base64-encoded as int32; decode it with
-`np.frombuffer(base64.b64decode(s), np.int32).reshape(len(prompt) + len(output) - 1, layers, K)`. The layouts are
-equal; only the dtype and the encoding differ. (SGLang may append columns for fused shared experts: drop them.)
+Three engine schemas are read. Each gives per request an integer array `[rows, layers, K]` whose row i holds the
+experts each layer chose for token i of prompt + output, the forward whose logits predict token i + 1 (the last
+token is never fed back, hence sequence length - 1 rows):
+
+| engine            | where                                        | dtype                 | layers                 |
+|-------------------|----------------------------------------------|-----------------------|------------------------|
+| vLLM 0.21         | `CompletionOutput.routed_experts`            | int16                 | MoE layers only        |
+| vLLM 0.3x (0.32)  | `CompletionOutput.routed_experts`; over HTTP | uint8 (<= 256 experts)| every decoder layer    |
+|                   | each choice's `routed_experts`: base64 of    | else uint16 (int32    | (dense ones all zeros) |
+|                   | `.npy` bytes, `np.load(BytesIO(b64decode))`  | documented too)       |                        |
+| SGLang (current)  | `meta_info["routed_experts"]`: base64 of the | int32, raw bytes, no  | every decoder layer    |
+|                   | raw C-order buffer, no header                | shape: K must be given| (dense ones all zeros) |
+
+vLLM 0.3x's request field `routed_experts_prompt_start` = s skips the first s prompt tokens: the array then has
+sequence length - 1 - s rows, starting at token s (multi-turn agents ask only for the new part). SGLang's buffer
+keeps the fused shared-expert columns out of the returned K. A trace whose layer axis counts every decoder layer is
+narrowed to the model's MoE layers by their decoder index (`check_against_model`), so both layouts compare.
 
 An engine trace is a list of `EngineRequest`s, read from one of three file layouts:
 
@@ -15,8 +25,13 @@ An engine trace is a list of `EngineRequest`s, read from one of three file layou
               C order) and routed_experts_shape (list<int64>, its 3 sizes)
     .pt       torch.save of a list of dicts with the same keys; routed_experts a tensor or array of 3 dimensions
               (routed_experts_shape not needed)
-    .npy      one request's routed_experts array; its request_id, prompt_token_ids and output_token_ids in the JSON
-              object of a file next to it with the same stem and suffix .json
+    .npy      one request's routed_experts array; its request_id, prompt_token_ids and output_token_ids (and
+              optionally routed_experts_prompt_start) in the JSON object of a file next to it with the same stem and
+              suffix .json
+    .jsonl    one HTTP response body a line, as the engine returned it: a vLLM 0.3x completion (every choice with
+              prompt_token_ids, token_ids and routed_experts; `return_token_ids` on), or an SGLang /generate
+              response (output_ids, meta_info.routed_experts) with the request's `input_ids` added to it; an
+              optional `routed_experts_prompt_start` beside a vLLM response or in a choice
 
 A request may also carry one row per token (sequence length rows, as an engine that reports the last token too):
 the last row is dropped, since no teacher-forced forward consumes the last token.
@@ -29,7 +44,10 @@ returns `churn_stats` of engine vs trainer (docs/design.md section 5) over the p
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib
+import io
 import json
 import zipfile
 from dataclasses import dataclass
@@ -44,18 +62,20 @@ from moe_rl.routing.churn import ChurnStats, churn_stats
 from moe_rl.routing.replay import record_routing
 from moe_rl.routing.trace import RoutingTrace, routing_sites
 
-TRACE_SUFFIXES = (".parquet", ".pt", ".npy")
+TRACE_SUFFIXES = (".parquet", ".pt", ".npy", ".jsonl")
 TOKEN_SETS = ("all", "response")
 
 
 @dataclass
 class EngineRequest:
-    """One request of an engine trace; `routed_experts_RLK` has R = len(prompt) + len(output) - 1 rows."""
+    """One request of an engine trace; `routed_experts_RLK` has R = len(prompt) + len(output) - 1 - prompt_start rows,
+    row r for token prompt_start + r (vLLM 0.3x's `routed_experts_prompt_start`; 0: every token)."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     routed_experts_RLK: np.ndarray
+    prompt_start: int = 0
 
 
 @dataclass
@@ -81,16 +101,20 @@ class EngineBatch:
 # Reading and writing
 
 
-def read_engine_trace(path: str | Path) -> list[EngineRequest]:
-    """The requests of an engine trace file (.parquet, .pt or .npy with its .json), each array checked to be 3-D
-    with sequence length - 1 (or sequence length) rows."""
+def read_engine_trace(path: str | Path, top_k: int | None = None) -> list[EngineRequest]:
+    """The requests of an engine trace file (.parquet, .pt, .npy with its .json, or .jsonl of HTTP responses), each
+    array checked to be 3-D with sequence length - 1 (or sequence length) rows, less the skipped prompt tokens.
+    `top_k`: the router's K, needed to shape SGLang's flat int32 arrays only."""
     path = Path(path)
     if path.suffix not in TRACE_SUFFIXES:
         raise DataError(f"{path}: an engine trace is a {', '.join(TRACE_SUFFIXES)} file")
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such engine trace file")
-    reader = {".parquet": _read_parquet, ".pt": _read_pt, ".npy": _read_npy}[path.suffix]
-    requests = [_checked(path, request) for request in reader(path)]
+    if path.suffix == ".jsonl":
+        raw = _read_jsonl(path, top_k)
+    else:
+        raw = {".parquet": _read_parquet, ".pt": _read_pt, ".npy": _read_npy}[path.suffix](path)
+    requests = [_checked(path, request) for request in raw]
     if not requests:
         raise DataError(f"{path} holds no requests: nothing to compare")
     _check_unique_ids(path, requests)
@@ -130,8 +154,11 @@ def write_engine_trace(path: str | Path, requests: list[EngineRequest]) -> Path:
 
 def _ids(request: EngineRequest) -> dict:
     """Plain Python values, so that the .pt loads with weights_only and the .json sidecar serialises."""
-    return {"request_id": str(request.request_id), "prompt_token_ids": _int_list(request.prompt_token_ids),
-            "output_token_ids": _int_list(request.output_token_ids)}
+    ids = {"request_id": str(request.request_id), "prompt_token_ids": _int_list(request.prompt_token_ids),
+           "output_token_ids": _int_list(request.output_token_ids)}
+    if request.prompt_start:
+        ids["routed_experts_prompt_start"] = int(request.prompt_start)
+    return ids
 
 
 def _flat_row(request: EngineRequest) -> dict:
@@ -234,7 +261,93 @@ def _from_dict(path: Path, row: int, record: dict, ids_RLK: np.ndarray) -> Engin
             raise DataError(f"{path}: entry {row} has no {key}")
     return EngineRequest(str(record.get("request_id", row)), _int_list(record["prompt_token_ids"], path, row,
                                                                    "prompt_token_ids"),
-                         _int_list(record["output_token_ids"], path, row, "output_token_ids"), ids_RLK)
+                         _int_list(record["output_token_ids"], path, row, "output_token_ids"), ids_RLK,
+                         _prompt_start(record.get("routed_experts_prompt_start", 0), path, row))
+
+
+def _prompt_start(value, path: Path, row) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise DataError(f"{path}: entry {row}: routed_experts_prompt_start must be a non-negative integer, got "
+                        f"{value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HTTP responses (.jsonl): vLLM 0.3x completions and SGLang /generate
+
+
+def _read_jsonl(path: Path, top_k: int | None) -> list[EngineRequest]:
+    requests = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                body = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: not a JSON object ({err})") from None
+            if isinstance(body, dict) and "choices" in body:
+                requests += _vllm_http(where, body)
+            elif isinstance(body, dict) and "meta_info" in body:
+                requests.append(_sglang_http(where, body, top_k))
+            else:
+                raise DataError(f"{where}: neither a vLLM completion (choices) nor an SGLang /generate response "
+                                "(meta_info)")
+    return requests
+
+
+def _b64(where: str, text) -> bytes:
+    if not isinstance(text, str):
+        raise DataError(f"{where}: routed_experts is {type(text).__name__}, not a base64 string (was "
+                        "--enable-return-routed-experts on?)")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise DataError(f"{where}: routed_experts is not valid base64 ({_first_line(err)})") from None
+
+
+def _vllm_http(where: str, body: dict) -> list[EngineRequest]:
+    """Every choice of a vLLM 0.3x completion: routed_experts holds base64 `.npy` bytes."""
+    out = []
+    for choice in body["choices"]:
+        index = choice.get("index", len(out)) if isinstance(choice, dict) else len(out)
+        at = f"{where}, choice {index}"
+        if not isinstance(choice, dict) or choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+            raise DataError(f"{at}: needs prompt_token_ids and token_ids (request with return_token_ids=true)")
+        try:
+            ids_RLK = np.load(io.BytesIO(_b64(at, choice.get("routed_experts"))), allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            raise DataError(f"{at}: routed_experts is not a whole .npy integer array ({_first_line(err)}): cut "
+                            "short, or not vLLM 0.3x's encoding") from None
+        start = choice.get("routed_experts_prompt_start", body.get("routed_experts_prompt_start", 0))
+        record = {"request_id": f"{body.get('id', where)}-{index}", "prompt_token_ids": choice["prompt_token_ids"],
+                  "output_token_ids": choice["token_ids"], "routed_experts_prompt_start": start}
+        out.append(_from_dict(Path(at), index, record, ids_RLK))
+    return out
+
+
+def _sglang_http(where: str, body: dict, top_k: int | None) -> EngineRequest:
+    """An SGLang /generate response with the request's input_ids: meta_info.routed_experts holds base64 of the raw
+    int32 buffer [len(input) + len(output) - 1, every layer, K], flattened."""
+    meta = body["meta_info"]
+    if body.get("input_ids") is None or body.get("output_ids") is None:
+        raise DataError(f"{where}: an SGLang response needs output_ids and the request's input_ids added to it")
+    if top_k is None:
+        raise DataError(f"{where}: SGLang's routed_experts is a flat int32 buffer; reading it needs the router's K "
+                        "(read_engine_trace(path, top_k=K); compare_with_model passes the model's)")
+    raw = _b64(where, meta.get("routed_experts"))
+    if len(raw) % 4:
+        raise DataError(f"{where}: routed_experts holds {len(raw)} bytes, not a whole number of int32 values: cut "
+                        "short")
+    flat = np.frombuffer(raw, dtype=np.int32)
+    rows = len(body["input_ids"]) + len(body["output_ids"]) - 1
+    if rows <= 0 or flat.size % (rows * top_k):
+        raise DataError(f"{where}: routed_experts holds {flat.size} int32 values, not a multiple of (input + output "
+                        f"- 1 = {rows} positions) x (K = {top_k}): cut short, or another K")
+    record = {"request_id": str(meta.get("id", where)), "prompt_token_ids": body["input_ids"],
+              "output_token_ids": body["output_ids"]}
+    return _from_dict(Path(where), 0, record, flat.reshape(rows, -1, top_k))
 
 
 def _int_list(values, path: Path | None = None, row: int = 0, key: str = "token ids") -> list[int]:
@@ -265,31 +378,58 @@ def _checked(path: Path, request: EngineRequest) -> EngineRequest:
                         f"{ids.dtype} of shape {ids.shape}")
     if not request.output_token_ids:
         raise DataError(f"{where}: no output tokens")
+    start = request.prompt_start
+    if start > len(request.prompt_token_ids):
+        raise DataError(f"{where}: routed_experts_prompt_start {start} is past the prompt's "
+                        f"{len(request.prompt_token_ids)} tokens")
     seq_len = len(request.prompt_token_ids) + len(request.output_token_ids)
-    if ids.shape[0] == seq_len:
+    if ids.shape[0] == seq_len - start:
         ids = ids[:-1]
-    elif ids.shape[0] != seq_len - 1:
+    elif ids.shape[0] != seq_len - 1 - start:
+        skipped = f", less the {start} skipped prompt tokens" if start else ""
         raise DataError(f"{where}: routed_experts has {ids.shape[0]} positions but prompt + output is {seq_len} "
-                        f"tokens; expected {seq_len - 1} (every token but the last)")
-    return EngineRequest(request.request_id, request.prompt_token_ids, request.output_token_ids, ids)
+                        f"tokens; expected {seq_len - 1 - start} (every token but the last{skipped})")
+    return EngineRequest(request.request_id, request.prompt_token_ids, request.output_token_ids, ids, start)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Alignment with the trainer's layout
 
 
-def check_against_model(path, requests: list[EngineRequest], model) -> None:
+def decoder_layers_of(model) -> tuple[int, list[int]]:
+    """(number of decoder layers, decoder index of each MoE layer in depth order): how an engine trace that reports
+    every layer (vLLM 0.3x, SGLang) maps onto the model's MoE layers."""
+    sites = routing_sites(model)
+    if hasattr(model, "hf"):  # HFMoEModel: each site knows its decoder layer
+        return len(model.blocks), [site.layer_index for site in sites]
+    blocks = list(model.blocks)
+    return len(blocks), [i for i, block in enumerate(blocks) if block.is_moe]
+
+
+def moe_layers_only(requests: list[EngineRequest], model) -> list[EngineRequest]:
+    """The requests with their layer axis narrowed to the model's MoE layers where it counts every decoder layer
+    (and the model has dense ones); unchanged otherwise."""
+    n_decoder, moe_index = decoder_layers_of(model)
+    if n_decoder == len(moe_index):
+        return requests
+    return [EngineRequest(r.request_id, r.prompt_token_ids, r.output_token_ids,
+                          r.routed_experts_RLK[:, moe_index], r.prompt_start)
+            if r.routed_experts_RLK.shape[1] == n_decoder else r for r in requests]
+
+
+def check_against_model(path, requests: list[EngineRequest], model) -> list[EngineRequest]:
     """Refuse requests whose layer count, K, expert ids or token ids do not fit `model`, naming file, request and
-    layer."""
+    layer; return them with an every-decoder-layer axis narrowed to the MoE layers."""
     sites = routing_sites(model)
     vocab = _vocab_size(model)
+    n_decoder = decoder_layers_of(model)[0]
+    requests = moe_layers_only(requests, model)
     for request in requests:
         where = f"{path}: request {request.request_id}"
         n_layers, top_k = request.routed_experts_RLK.shape[1:]
         if n_layers != len(sites):
-            raise RoutingError(f"{where}: the trace has {n_layers} MoE layers but the model has {len(sites)}; "
-                               f"layer {min(n_layers, len(sites))} has no match (a dense layer reported as -1 ids? "
-                               "drop it first)")
+            raise RoutingError(f"{where}: the trace has {n_layers} layers but the model has {len(sites)} MoE layers "
+                               f"of {n_decoder} decoder layers; layer {min(n_layers, len(sites))} has no match")
         for layer, site in enumerate(sites):
             ids_RK = request.routed_experts_RLK[:, layer]
             if top_k != site.top_k:
@@ -308,6 +448,7 @@ def check_against_model(path, requests: list[EngineRequest], model) -> None:
         if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):
             raise DataError(f"{where}: token ids span [{min(tokens)}, {max(tokens)}] but the model's vocabulary "
                             f"is 0..{vocab - 1}")
+    return requests
 
 
 def _vocab_size(model) -> int | None:
@@ -338,9 +479,9 @@ def engine_batch(requests: list[EngineRequest], pad_id: int = 0, device="cpu") -
         start = P - p  # column of the request's first token
         tokens_BS[b, start:P + n] = torch.tensor(r.prompt_token_ids + r.output_token_ids)
         valid_BS[b, start:P + n] = True
-        rows = p + n - 1
-        ids_LBSK[:, b, start:start + rows] = torch.from_numpy(r.routed_experts_RLK.astype(np.int16)).permute(1, 0, 2)
-        reported_BS[b, start:start + rows] = True
+        first, rows = start + r.prompt_start, p + n - 1 - r.prompt_start  # the engine's first reported token
+        ids_LBSK[:, b, first:first + rows] = torch.from_numpy(r.routed_experts_RLK.astype(np.int16)).permute(1, 0, 2)
+        reported_BS[b, first:first + rows] = True
         response_BS[b, P - 1:P - 1 + n] = True  # the positions whose logits score output tokens 0..n-1
     return EngineBatch([r.request_id for r in requests], tokens_BS[:, :-1].to(device), valid_BS[:, :-1].to(device),
                        RoutingTrace(ids_LBSK.to(device)), reported_BS.to(device), response_BS.to(device))
@@ -357,10 +498,8 @@ def trainer_routing(model, batch: EngineBatch) -> RoutingTrace:
 def compare_with_model(path, model, tokens: str = "all", pad_id: int = 0) -> tuple[ChurnStats, EngineBatch]:
     """Read the engine trace at `path`, check it against `model`, and measure engine vs trainer routing over the
     reported positions (`tokens='all'`) or those that score an output token ('response')."""
-    requests = read_engine_trace(path)
-    if not requests:
-        raise DataError(f"{path}: the trace holds no requests")
-    check_against_model(path, requests, model)
+    requests = read_engine_trace(path, top_k=routing_sites(model)[0].top_k)
+    requests = check_against_model(path, requests, model)
     device = next(model.parameters()).device
     batch = engine_batch(requests, pad_id, device)
     return churn_stats(batch.trace, trainer_routing(model, batch), batch.mask_BS(tokens)), batch

@@ -100,7 +100,7 @@ def test_trace_mode_from_the_command_line(checkpoint, tmp_path, capsys):
     write_engine_trace(path, bad)
     assert main(["probe", "--checkpoint", str(checkpoint), "--trace", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "engine.parquet: request 1: the trace has 1 MoE layers but the model has 2" in err
+    assert "\n" not in err and "engine.parquet: request 1: the trace has 1 layers but the model has 2 MoE layers" in err
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"])

@@ -137,7 +137,8 @@ def test_mismatched_and_malformed_traces_are_refused_naming_the_cause(model_and_
     model, requests = model_and_requests
     ids = requests[2].routed_experts_RLK
     cases = [
-        (ids[:, :1], RoutingError, r"trace\.pt: request 2: the trace has 1 MoE layers but the model has 3; layer 1"),
+        (ids[:, :1], RoutingError, r"trace\.pt: request 2: the trace has 1 layers but the model has 3 MoE layers of 3 "
+                                   r"decoder layers; layer 1"),
         (ids[:, :, :1], RoutingError, r"request 2, MoE layer 0: the trace has K=1 but the router uses K=2"),
         (np.where(np.arange(3)[None, :, None] == 2, 6, ids).astype(np.int16), RoutingError,
          r"request 2, MoE layer 2: expert ids span \[\d, 6\] but the layer has experts 0..5"),
