@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_model import SAMPLER_SHAPES, SHAPES, native_step
+from benchmarks.bench_model import SAMPLER_SHAPES, SHAPES, native_step, without_kernels
 from benchmarks.timing import bench_folder, cpu_class, interleaved, kernels_lines, no_kernels, write_csv
 from moe_rl import kernels
 from moe_rl.model import ModelConfig, MoETransformer
@@ -147,13 +147,6 @@ def compiled_copy(model: MoETransformer) -> MoETransformer:
     return twin
 
 
-def kernels_off(fn):
-    def run():
-        with no_kernels():
-            return fn()
-    return run
-
-
 def cpu_seconds() -> float:
     """This process's CPU time and that of its finished children (Inductor runs the C++ compiler as one)."""
     t = os.times()
@@ -204,11 +197,11 @@ def same_bits_fwd_bwd(plain, compiled, ids) -> dict:
 
 def three_arms(plain_fn, kernels_fn, compiled_fn, repeat: int, events: DynamoEvents, dynamo: dict) -> dict:
     """First calls (the compiled arm's includes its compile), then `repeat` interleaved calls of each arm."""
-    first = {"plain torch": timed(kernels_off(plain_fn)), "C kernels": timed(kernels_fn)}
+    first = {"plain torch": timed(without_kernels(plain_fn)), "C kernels": timed(kernels_fn)}
     with dynamo_delta(events, dynamo):
-        first["compiled"] = timed(kernels_off(compiled_fn))
-        steady = interleaved({"plain torch": kernels_off(plain_fn), "C kernels": kernels_fn,
-                              "compiled": kernels_off(compiled_fn)}, repeat, warmup=0)
+        first["compiled"] = timed(without_kernels(compiled_fn))
+        steady = interleaved({"plain torch": without_kernels(plain_fn), "C kernels": kernels_fn,
+                              "compiled": without_kernels(compiled_fn)}, repeat, warmup=0)
     return {arm: {**steady[arm], "first wall": first[arm]["wall"], "first cpu": first[arm]["cpu"]} for arm in ARMS}
 
 
@@ -266,7 +259,7 @@ def bench_rl_step(steps: int, events: DynamoEvents) -> list[dict]:
             def run():
                 trainers[arm].rl_step(lambda line: None)
                 trainers[arm].step += 1
-            return run if arm == "C kernels" else kernels_off(run)
+            return run if arm == "C kernels" else without_kernels(run)
 
         first = {arm: timed(step(arm)) for arm in ARMS[:2]}
         with dynamo_delta(events, dynamo):

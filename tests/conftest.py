@@ -142,3 +142,32 @@ def sample_and_refit(precision: str):
     logp = logits[:, out.prompt_len - 1:].log_softmax(-1).gather(-1, out.response_BN[..., None]).squeeze(-1)
     mask = out.response_mask_BN
     return churn_stats(rec.trace(), out.routing, out.input_valid_BS), (logp - out.logprobs_BN)[mask].abs().mean()
+
+
+# --- the CLI in this process -------------------------------------------------------------------------------
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `moe-rl argv` through the entry point, in this process."""
+    import contextlib
+    import io
+
+    from moe_rl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def refused(result, *named: str) -> str:
+    """The one line of a refusal (exit 2, no traceback) from `cli`, checked to contain each of `named`."""
+    code, out, err = result
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, (code, err)
+    for text in named:
+        assert text in lines[0], lines[0]
+    return lines[0]

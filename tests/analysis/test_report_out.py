@@ -2,27 +2,17 @@
 two reports into one folder leave one whole report, a planned sweep run without a directory and a run whose metric
 is never finite are named. Figures are left out (tested in test_analysis.py; 20 s each)."""
 
-import contextlib
-import io
 import json
 import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import tiny_train_config
+from conftest import cli, tiny_train_config
 
 import analysis.report
 from analysis.report import ReportConfig, report
-from moe_rl.cli import main
 from moe_rl.commands.train import train
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import cli, refused
 
 import moe_rl.sweep.command
 from moe_rl.cli import main
@@ -22,25 +23,9 @@ TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-siz
          "--rollout.sampling.max-new-tokens", "4", "--checkpoint-every", "1", "--quiet"]
 
 
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
-
-
 def tree(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
             for p in sorted(folder.rglob("*"))}
-
-
-def refused(result, *named: str) -> str:
-    code, out, err = result
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err + out, err
-    for text in named:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

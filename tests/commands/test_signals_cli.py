@@ -8,8 +8,6 @@ processes (train, sft, a sweep driver), and their reference and resumed runs go 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -19,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import cli
 
-from moe_rl.cli import main
 from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,13 +30,6 @@ TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-siz
          "--rollout.sampling.max-new-tokens", "4", "--checkpoint-every", "100"]
 SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "4",
        "--print-every", "1"]
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
 
 
 def signalled(argv, run: Path, signum: int, after_lines: int = 1, cwd=REPO) -> subprocess.CompletedProcess:

@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from moe_rl.cli import main
+from conftest import cli, refused
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
@@ -31,27 +30,6 @@ SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max
        "--quiet"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
        "PYTHONWARNINGS": "ignore::SyntaxWarning"}
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `moe-rl argv` through the entry point, in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as stop:
-            code = stop.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def refused(result, *named: str) -> str:
-    """The one line of a refusal (exit 2, no traceback), checked to contain each of `named`."""
-    code, out, err = result
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, (code, err)
-    for text in named:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 def jsonl(path: Path, rows) -> Path:

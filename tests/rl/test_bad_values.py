@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import cli, refused
 
 from moe_rl.cli import main
 from moe_rl.errors import ConfigError, check_finite_fields
@@ -120,26 +121,6 @@ TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-siz
          "--rollout.sampling.max-new-tokens", "4", "--quiet"]
 
 
-def assert_one_line(result, *named: str) -> str:
-    code, out, err = result
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in out + err, err
-    for text in named:
-        assert text in lines[0], lines[0]
-    return lines[0]
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `moe-rl argv` through the entry point, in this process."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("bad") / "run"
@@ -156,7 +137,7 @@ def finished_run(tmp_path_factory):
 ])
 def test_a_config_section_that_is_not_a_mapping_is_named(tmp_path, text, named):
     (tmp_path / "c.yaml").write_text(text)
-    assert_one_line(cli(*TRAIN, "--config-file", tmp_path / "c.yaml", "--out-dir", tmp_path / "run"), "c.yaml", named)
+    refused(cli(*TRAIN, "--config-file", tmp_path / "c.yaml", "--out-dir", tmp_path / "run"), "c.yaml", named)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
@@ -165,7 +146,7 @@ def test_a_truncated_sweep_json_is_named_and_kept(tmp_path, text):
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "sweep.json").write_text(text)
-    assert_one_line(cli("sweep", "smoke", "--sweep-dir", sweep, "--dry-run"), f"{sweep / 'sweep.json'}")
+    refused(cli("sweep", "smoke", "--sweep-dir", sweep, "--dry-run"), f"{sweep / 'sweep.json'}")
     assert (sweep / "sweep.json").read_text() == text and [p.name for p in sweep.iterdir()] == ["sweep.json"]
 
 
@@ -173,7 +154,7 @@ def test_a_truncated_sweep_json_is_named_and_kept(tmp_path, text):
                                   ["sweep", "smoke", "--dry-run", "--sweep-dir"]])
 def test_a_300_character_directory_name_is_one_line(tmp_path, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
-    assert_one_line(cli(*argv, "x" * 300), "is 300 bytes long; the file system allows 255")
+    refused(cli(*argv, "x" * 300), "is 300 bytes long; the file system allows 255")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -189,7 +170,7 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_is_one_line_and_resumes(tmp
 
     run = tmp_path / "run"
     monkeypatch.setattr(moe_rl.rl.trainer, "save_checkpoint", unwritable_at_step_2)
-    assert_one_line(cli(*TRAIN, "--out-dir", run, "--total-steps", "3", "--checkpoint-every", "1"),
+    refused(cli(*TRAIN, "--out-dir", run, "--total-steps", "3", "--checkpoint-every", "1"),
                     f"{run / 'checkpoints' / 'latest.pt'}: Permission denied", "--resume")
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "PermissionError" in manifest["reason"]
@@ -201,7 +182,7 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_is_one_line_and_resumes(tmp
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_with_a_sizing_hint(tmp_path):
-    line = assert_one_line(cli(*TRAIN, "--out-dir", tmp_path / "run", "--model.max-seq-len", "200000000",
+    line = refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--model.max-seq-len", "200000000",
                                "--rollout.sampling.max-new-tokens", "100000000"),
                            "rollout.sampling.max_new_tokens=100000000: the sampler's KV cache needs about",
                            "--rollout.sampling.max-new-tokens")
@@ -214,7 +195,7 @@ def test_report_on_a_truncated_routing_table_names_it(finished_run, tmp_path):
     run = Path(shutil.copytree(finished_run, tmp_path / "run"))
     table = sorted((run / "routing").glob("*.parquet"))[0]
     table.write_bytes(table.read_bytes()[:100])
-    assert_one_line(cli("report", run, "--out", tmp_path / "report"), f"{table} cannot be read as Parquet")
+    refused(cli("report", run, "--out", tmp_path / "report"), f"{table} cannot be read as Parquet")
 
 
 @pytest.mark.parametrize("path", ["fifo", "/dev/zero"])
@@ -224,13 +205,13 @@ def test_a_fifo_or_device_as_task_path_is_named_as_such(tmp_path, path):
     if path == "fifo":
         path = tmp_path / "fifo"
         os.mkfifo(path)
-    assert_one_line(cli(*TRAIN, "--out-dir", tmp_path / "run", "--task.source", "file", "--task.path", path),
+    refused(cli(*TRAIN, "--out-dir", tmp_path / "run", "--task.source", "file", "--task.path", path),
                     f"{path} is not a regular file (a FIFO, a device or a socket)")
     assert not (tmp_path / "run").exists()
 
 
 def test_probe_updates_that_do_not_divide_the_batch_blame_updates(tmp_path):
-    line = assert_one_line(cli("probe", "--updates", "3", "--out", tmp_path / "p"), "updates=3 must divide")
+    line = refused(cli("probe", "--updates", "3", "--out", tmp_path / "p"), "updates=3 must divide")
     assert "minibatches" not in line and list(tmp_path.iterdir()) == []
 
 
@@ -255,9 +236,9 @@ def test_a_unicode_run_directory_prints_under_an_ascii_terminal(finished_run, tm
 def test_probe_trace_refuses_an_empty_parquet_and_a_text_file_named_pt(tmp_path):
     (tmp_path / "empty.parquet").write_bytes(b"")
     (tmp_path / "text.pt").write_text("not a trace\n")
-    assert_one_line(cli("probe", "--trace", tmp_path / "empty.parquet", "--out", tmp_path / "p"),
+    refused(cli("probe", "--trace", tmp_path / "empty.parquet", "--out", tmp_path / "p"),
                     "empty.parquet cannot be read as Parquet")
-    assert_one_line(cli("probe", "--trace", tmp_path / "text.pt", "--out", tmp_path / "p"),
+    refused(cli("probe", "--trace", tmp_path / "text.pt", "--out", tmp_path / "p"),
                     "text.pt is not a torch file")
     assert not (tmp_path / "p").exists()
 
@@ -318,7 +299,7 @@ def test_a_broken_hf_checkpoint_is_one_line(hf_checkpoint, tmp_path, damage, nam
         weights.unlink()
     else:
         weights.write_bytes(weights.read_bytes()[:3000])
-    assert_one_line(cli("train", "--model.backend", "hf", "--model.hf-path", broken, "--out-dir", tmp_path / "run",
+    refused(cli("train", "--model.backend", "hf", "--model.hf-path", broken, "--out-dir", tmp_path / "run",
                         "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--minibatches", "1",
                         "--total-steps", "1"), f"hf_path={broken}", named)
     assert not (tmp_path / "run").exists()

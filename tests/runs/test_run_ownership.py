@@ -17,7 +17,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_resume_guard import TINY, TRAIN, assert_refused, cli, files
+from conftest import cli
+from test_resume_guard import TINY, TRAIN, assert_refused, files
 
 SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "4", "--quiet"]
 
