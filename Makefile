@@ -27,11 +27,12 @@ TEST_WORKERS ?= 2
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt pins the tested versions of everything installed (a user's own `pip install -e .` gets ranges).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 # Everything: the whole suite (slow end-to-end cases included), the numerics tests under the ISA caps, then the vLLM
@@ -83,7 +84,7 @@ reproduce: install
 	rm -rf outputs/churn_repro
 	$(BIN)/moe-rl report sweeps/churn_repro --out outputs/churn_repro
 	@if [ -f $(COMMITTED) ]; then \
-		$(BIN)/python -m analysis.compare_committed outputs/churn_repro/tables/churn_vs_lr_depth.csv $(COMMITTED); \
+		$(BIN)/python -m moe_rl.analysis.compare_committed outputs/churn_repro/tables/churn_vs_lr_depth.csv $(COMMITTED); \
 	else echo "reproduce: no committed $(COMMITTED) to compare with"; fi
 	rm -rf results/churn_repro && cp -r outputs/churn_repro results/churn_repro
 

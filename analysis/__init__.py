@@ -2,15 +2,15 @@
 
 Reads run directories only; the trainer never imports this package (docs/design.md section 2). See docs/analysis.md.
 
-    from analysis import load_runs, group_keys, add_groups, mean_ci, final_scores
+    from moe_rl.analysis import load_runs, group_keys, add_groups, mean_ci, final_scores
     data = load_runs("runs/")                         # a run, a folder of runs, or a sweep
     data = add_groups(data, group_keys(data))         # group by the config fields that vary (seed excluded)
     mean_ci(data.steps, "reward", x="step")           # mean and 95% CI (Student t) per group and rollout step
 
-Figures live in analysis.plots (matplotlib is imported only there and in analysis.report).
+Figures live in moe_rl.analysis.plots (matplotlib is imported only there and in moe_rl.analysis.report).
 """
 
-from analysis.aggregate import (
+from moe_rl.analysis.aggregate import (
                                 add_groups,
                                 bootstrap_ci,
                                 final_scores,
@@ -23,8 +23,8 @@ from analysis.aggregate import (
                                 summarize,
                                 t_ci,
 )
-from analysis.cells import churn_vs_lr_depth, run_summary
-from analysis.load import NoRunsError, RunSet, find_runs, load_runs, per_step
+from moe_rl.analysis.cells import churn_vs_lr_depth, run_summary
+from moe_rl.analysis.load import NoRunsError, RunSet, find_runs, load_runs, per_step
 
 __all__ = ["NoRunsError", "RunSet", "add_groups", "bootstrap_ci", "churn_vs_lr_depth", "final_scores", "find_runs",
            "group_keys", "iqm", "layer_churn", "load_runs", "mean_ci", "per_step", "run_finals", "run_initials",

@@ -1,6 +1,6 @@
 """Aggregation over seeds: means with confidence intervals, final scores, churn tables.
 
-Every function takes the frames of `analysis.load` (with a `group` column from `add_groups`) and returns a tidy
+Every function takes the frames of `moe_rl.analysis.load` (with a `group` column from `add_groups`) and returns a tidy
 frame. Intervals are Student-t 95% CIs of the mean over runs (`t_ci`: mean +- t(0.975, n-1) s / sqrt(n)). Why not
 the percentile bootstrap: with the 3-5 seeds a CPU sweep affords, resampling 3 values cannot reach beyond their
 range and its interval is far too narrow (about +-1.2 standard errors at n = 3, where t gives +-4.3; in
@@ -14,7 +14,7 @@ and `n` counts what remains.
     data = add_groups(data, keys)                         # a `group` label column on every frame
     curve = mean_ci(data.steps, "reward", x="step")       # group, step, n, mean, ci_low, ci_high
     final = final_scores(data, ["reward"], last_k=5)      # group, metric, n_runs, n_diverged, mean, iqm, ...
-    cells = churn_vs_lr_depth(data)                       # analysis.cells: per cell, both churn readings
+    cells = churn_vs_lr_depth(data)                       # moe_rl.analysis.cells: per cell, both churn readings
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.load import RunSet
+from moe_rl.analysis.load import RunSet
 from moe_rl.errors import ConfigError
 
 CONFIDENCE = 0.95

@@ -2,7 +2,7 @@
 validation split) and greedy, read from what `moe-rl evaluate` wrote (evaluate.json).
 
     base = read_baseline("runs/sft/evaluate")          # or the evaluate.json itself
-    table = learning_table(data, last_k=5)            # analysis.learning: final = held-out at the training T
+    table = learning_table(data, last_k=5)            # moe_rl.analysis.learning: final = held-out at the training T
     with_baseline(table, base)                        # the same table, the baseline first (final = held-out at T*)
     with_baseline(learning_table(data, 5, metric="eval/greedy"), base, decoding="greedy")
     baseline_markdown([base])                         # a Markdown table of baselines, with SEs
@@ -79,7 +79,7 @@ def against_baseline(per_run: pd.DataFrame, baseline: dict, alpha: float = 0.05)
     that carries both uncertainties: the seeds' spread (SE of the mean over runs) and the baseline's own SE (over its
     prompts), added in quadrature, with Student t at n_runs - 1 degrees of freedom (conservative: the baseline's SE
     rests on far more prompts than there are seeds). beats_baseline: the CI lies above 0 (never with one run).
-    `per_run` is analysis.per_run.per_run_final's table (columns group, eval/reward, eval/greedy)."""
+    `per_run` is moe_rl.analysis.per_run.per_run_final's table (columns group, eval/reward, eval/greedy)."""
     rows = []
     for decoding, column in _FINAL_OF.items():
         if column not in per_run:

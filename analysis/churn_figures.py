@@ -1,6 +1,6 @@
 """Figures for churn-scaling sweeps: learning rate x depth x (experts, top-k), as in experiments/churn_repro.
 
-The generic figures (analysis.plots) draw one curve per group, which does not read well with dozens of groups.
+The generic figures (moe_rl.analysis.plots) draw one curve per group, which does not read well with dozens of groups.
 These put the sweep's axes on the figure's axes instead, and always show both readings of churn (slot churn and
 set change; docs/design.md section 5):
 
@@ -8,7 +8,7 @@ set change; docs/design.md section 5):
   GSPO paper's ~10% as a reference line;
 - `fig_churn_layer_profile`: each reading per MoE layer, one line per learning rate, one panel per architecture;
 - `fig_churn_vs_policy_change`: each run's readings against its median KL per update;
-- `fig_scaling_fit`: the power law of analysis.scaling with its extrapolation to the paper's model.
+- `fig_scaling_fit`: the power law of moe_rl.analysis.scaling with its extrapolation to the paper's model.
 
 Learning rates take discrete colours (one per swept value, with a legend), not a colour bar. Each returns None
 when the runs do not vary the learning rate (the report then skips it).
@@ -22,12 +22,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
-from analysis.aggregate import summarize
-from analysis.cells import READING_LABELS, READINGS, run_summary
-from analysis.load import RunSet
-from analysis.panels import floor_zeros, log_if_wide, note, percent_axis
-from analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law, split_target
-from analysis.style import LINESTYLES, MARKERS, OKABE_ITO, in_paper_style, new_figure
+from moe_rl.analysis.aggregate import summarize
+from moe_rl.analysis.cells import READING_LABELS, READINGS, run_summary
+from moe_rl.analysis.load import RunSet
+from moe_rl.analysis.panels import floor_zeros, log_if_wide, note, percent_axis
+from moe_rl.analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law, split_target
+from moe_rl.analysis.style import LINESTYLES, MARKERS, OKABE_ITO, in_paper_style, new_figure
 from moe_rl.errors import ConfigError
 
 SCALING_KEYS = ("optim.lr", "model.n_layers", "model.n_experts", "model.top_k")

@@ -10,7 +10,7 @@ rejecting a fraction alpha of (cell, metric) pairs when nothing changed:
     prediction  (default) the committed mean m, sd s and n predict the mean of the rerun's n' seeds:
                 m +- t(1 - alpha/2, n - 1) s sqrt(1/n + 1/n'). Exact for normal seeds; needs the committed
                 spread only (a one-seed rerun is tested too).
-    welch       Welch's two-sample t of the two means (analysis.stats.welch_from_stats); uses the rerun's
+    welch       Welch's two-sample t of the two means (moe_rl.analysis.stats.welch_from_stats); uses the rerun's
                 spread too, so a machine that widens the spread is not taken for a shift. With 3 + 3 seeds
                 it is conservative (3.3% rejected at a nominal 5% in tests/analysis/test_analysis_stats.py).
 
@@ -18,12 +18,12 @@ The summary prints how many pairs were rejected, how many alpha x tested would b
 binomial probability of at least the observed count under no change. Metrics of one cell are correlated
 (slot churn and set change move together), so that probability is a guide, not an exact p-value.
 
-Each table is a `tables/churn_vs_lr_depth.csv` as `moe-rl report` writes it (analysis.cells): one row per cell
+Each table is a `tables/churn_vs_lr_depth.csv` as `moe-rl report` writes it (moe_rl.analysis.cells): one row per cell
 (matched by `group`), with `n_runs` and `<metric>_mean`, `_ci_low`, `_ci_high`. The sd comes from the per-seed
 values in `per_run_final.csv` beside the table when that file exists (reports write it), else from the 95% t CI:
 s = (ci_high - ci_low) / 2 * sqrt(n) / t(0.975, n - 1).
 
-    python -m analysis.compare_committed outputs/churn_repro/tables/churn_vs_lr_depth.csv \\
+    python -m moe_rl.analysis.compare_committed outputs/churn_repro/tables/churn_vs_lr_depth.csv \\
         results/churn_repro/tables/churn_vs_lr_depth.csv [--test welch] [--alpha 0.05] [--strict]
 
 prints one line per cell and metric (inside | OUTSIDE | one run | missing) and the counts; exit status 0, or 1
@@ -42,8 +42,8 @@ import pandas as pd
 import tyro
 from scipy import special, stats
 
-from analysis.aggregate import CONFIDENCE
-from analysis.stats import welch_from_stats
+from moe_rl.analysis.aggregate import CONFIDENCE
+from moe_rl.analysis.stats import welch_from_stats
 from moe_rl.errors import ConfigError, DataError
 
 METRICS = ("churn", "set_change", "token_any", "kl_median", "eval_final", "eval_gain")
@@ -99,7 +99,7 @@ def read_per_run(table_path: str) -> pd.DataFrame | None:
 
 
 def sd_from_ci(low: float, high: float, n: int, confidence: float = CONFIDENCE) -> float:
-    """The sample sd behind a Student-t CI of the mean (analysis.aggregate.t_ci): half-width sqrt(n) / t."""
+    """The sample sd behind a Student-t CI of the mean (moe_rl.analysis.aggregate.t_ci): half-width sqrt(n) / t."""
     if n < 2 or not (math.isfinite(low) and math.isfinite(high)):
         return math.nan
     return (high - low) / 2 * math.sqrt(n) / special.stdtrit(n - 1, (1 + confidence) / 2)  # t quantile
@@ -188,7 +188,7 @@ def format_lines(result: pd.DataFrame, alpha: float = 0.05) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(CompareConfig, args=argv, prog="python -m analysis.compare_committed",
+    cfg = tyro.cli(CompareConfig, args=argv, prog="python -m moe_rl.analysis.compare_committed",
                    description=__doc__.split("\n\n")[0])
     try:
         new_per_run, committed_per_run = read_per_run(cfg.new), read_per_run(cfg.committed)

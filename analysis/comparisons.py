@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.aggregate import group_label
-from analysis.stats import ALPHA, POWER, critical_point, holm, mdd_paired, paired_differences, paired_t, tost_p
+from moe_rl.analysis.aggregate import group_label
+from moe_rl.analysis.stats import ALPHA, POWER, critical_point, holm, mdd_paired, paired_differences, paired_t, tost_p
 
 METHOD_KEYS = ("objective.name", "routing_mode")
 METRICS = ("eval_gain", "eval_final", "reward_final")
@@ -45,7 +45,7 @@ def _labels(frame: pd.DataFrame, keys: Sequence[str]) -> list[str]:
 def paired_comparisons(per_run: pd.DataFrame, group_by: Sequence[str], metrics: Sequence[str] = METRICS,
                        margin: float = 0.05, alpha: float = ALPHA, power: float = POWER) -> pd.DataFrame:
     """The paired table (COLUMNS) of `per_run` (one row per run: seed, the group keys, the metric columns;
-    analysis.per_run.per_run_final). Settings and methods are in the order of their key values, as text (as
+    moe_rl.analysis.per_run.per_run_final). Settings and methods are in the order of their key values, as text (as
     the report's groups: "grpo R2" before "grpo native"); a pair is listed as (earlier, later), a - b. Empty when
     no block holds two methods."""
     methods = method_keys(group_by)
@@ -99,7 +99,7 @@ def critical_points(per_run: pd.DataFrame, axis: str, group_by: Sequence[str], v
                     log_axis: bool = True) -> pd.DataFrame:
     """Per method (and setting of the group keys other than the method keys and `axis`): the `axis` value
     (learning rate, minibatches per rollout batch) where the mean over seeds of `value` turns negative, with
-    its 95% CI over seeds (analysis.stats.critical_point, t inversion). Columns: CRITICAL_COLUMNS; -inf / inf
+    its 95% CI over seeds (moe_rl.analysis.stats.critical_point, t inversion). Columns: CRITICAL_COLUMNS; -inf / inf
     where the crossing lies below / above the grid."""
     methods = method_keys(group_by)
     settings = [k for k in group_by if k not in methods and k != axis]

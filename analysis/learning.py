@@ -1,5 +1,5 @@
 """Does the policy learn? Per group: held-out reward before and after RL, the gain with its CI over seeds, and how
-many runs collapsed (analysis.collapse). A comparison of methods is evidence only where this table says the policy
+many runs collapsed (moe_rl.analysis.collapse). A comparison of methods is evidence only where this table says the policy
 learns (docs/design.md section 9), so the report puts it first.
 
     learning_table(data, last_k=5)   # group, n_runs, start, final, gain, gain_ci_low, gain_ci_high, learns, ...
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.aggregate import run_finals, run_initials, summarize
-from analysis.collapse import METRIC, count_collapses
-from analysis.load import RunSet
+from moe_rl.analysis.aggregate import run_finals, run_initials, summarize
+from moe_rl.analysis.collapse import METRIC, count_collapses
+from moe_rl.analysis.load import RunSet
 
 COLUMNS = ["group", "n_runs", "start", "final", "gain", "gain_ci_low", "gain_ci_high", "learns", "n_collapsed",
            "n_diverged"]
@@ -20,7 +20,7 @@ COLUMNS = ["group", "n_runs", "start", "final", "gain", "gain_ci_low", "gain_ci_
 def learning_table(data: RunSet, last_k: int, metric: str = METRIC) -> pd.DataFrame:
     """One row per group. start: each run's pre-RL evaluation (step 0); final: its evaluation after training
     (`run_finals`); gain: final - start per run, mean and 95% CI over runs (Student t); learns: the CI lies above 0
-    (never with one run). n_collapsed / n_diverged: analysis.collapse's counts."""
+    (never with one run). n_collapsed / n_diverged: moe_rl.analysis.collapse's counts."""
     if metric not in data.steps.columns:
         return pd.DataFrame(columns=COLUMNS)
     per_run = pd.DataFrame({"start": run_initials(data.steps, metric, 1),

@@ -153,7 +153,7 @@ class RunSet:
     sweep: dict | None = None  # sweep.json of the root folder, if it has one
     skipped: list[str] = field(default_factory=list)  # run folders that are not RL runs
     missing: list[str] = field(default_factory=list)  # runs sweep.json plans whose directory holds no run (yet)
-    group_by: list[str] = field(default_factory=list)  # set by analysis.aggregate.add_groups
+    group_by: list[str] = field(default_factory=list)  # set by moe_rl.analysis.aggregate.add_groups
     groups: list[str] = field(default_factory=list)  # group labels in plotting order, ditto
 
     @property

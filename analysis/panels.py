@@ -1,6 +1,6 @@
 """Panels that the report's figures share: labelled axes, seed-mean curves with CI bands, per-layer churn.
 
-A curve is the mean over a group's runs with a 95% CI band over seeds (Student t; analysis.aggregate.mean_ci). Noisy
+A curve is the mean over a group's runs with a 95% CI band over seeds (Student t; moe_rl.analysis.aggregate.mean_ci). Noisy
 per-step series are first smoothed per run by a centred rolling mean (SMOOTH: 5 rollout steps, 20 optimizer
 steps; held-out evaluations, which are sparse, are not smoothed), and the panel says so. Two groups whose curves
 coincide (R2 and R3 on CPU) are drawn so both stay visible (the later one dashed, with large hollow markers, on
@@ -16,9 +16,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
-from analysis.aggregate import layer_churn, mean_ci
-from analysis.load import RunSet
-from analysis.style import Look, NarrowLogLocator, group_looks, keyed_looks, percent_formatter
+from moe_rl.analysis.aggregate import layer_churn, mean_ci
+from moe_rl.analysis.load import RunSet
+from moe_rl.analysis.style import Look, NarrowLogLocator, group_looks, keyed_looks, percent_formatter
 
 Looks = dict[str, Look]
 

@@ -3,8 +3,8 @@ commit (a few kB per study, where the run directories are hundreds of MB).
 
     per_run_final(data, metrics, last_k)   one row per run: run, group, seed, status, the group keys, the
                                            warm start (init_from's warm-start name, where the config has one), the cell
-                                           quantities of analysis.cells.run_summary (churn, set_change, ...,
-                                           eval_gain) and each metric's final value (analysis.aggregate.run_finals)
+                                           quantities of moe_rl.analysis.cells.run_summary (churn, set_change, ...,
+                                           eval_gain) and each metric's final value (moe_rl.analysis.aggregate.run_finals)
     per_run_eval(data)                     one row per (run, evaluation): run, group, seed, step, eval/* metrics
 
 `tables/final_scores.csv` and `tables/churn_vs_lr_depth.csv` are these values summarised over each group's runs
@@ -18,9 +18,9 @@ from pathlib import PurePath
 
 import pandas as pd
 
-from analysis.aggregate import EVAL_PREFIX, run_finals
-from analysis.cells import QUANTITIES, SCALING_KEYS, run_summary
-from analysis.load import RunSet
+from moe_rl.analysis.aggregate import EVAL_PREFIX, run_finals
+from moe_rl.analysis.cells import QUANTITIES, SCALING_KEYS, run_summary
+from moe_rl.analysis.load import RunSet
 
 RUN_FIELDS = ["run", "group", "seed", "status"]
 
@@ -36,7 +36,7 @@ def warm_start_name(init_from):
 
 
 def _run_fields(data: RunSet) -> pd.DataFrame:
-    # init_from names the warm start: the cluster of a bootstrap over warm starts (analysis.stats).
+    # init_from names the warm start: the cluster of a bootstrap over warm starts (moe_rl.analysis.stats).
     keys = [k for k in dict.fromkeys([*data.group_by, *SCALING_KEYS, "init_from"]) if k in data.runs
             and k not in RUN_FIELDS]
     frame = data.runs[[*RUN_FIELDS, *keys]].copy()

@@ -1,8 +1,8 @@
-"""Figures of expert churn, reward and stability, from a grouped RunSet (analysis.aggregate.add_groups).
+"""Figures of expert churn, reward and stability, from a grouped RunSet (moe_rl.analysis.aggregate.add_groups).
 
 Every `fig_*` function takes (data, looks) and returns a matplotlib Figure (or None when the runs lack what it
-draws); the panels come from analysis.panels, the figures of lr x depth x experts sweeps from
-analysis.churn_figures. Churn is always shown in both readings, side by side: slot churn (the share of a token's
+draws); the panels come from moe_rl.analysis.panels, the figures of lr x depth x experts sweeps from
+moe_rl.analysis.churn_figures. Churn is always shown in both readings, side by side: slot churn (the share of a token's
 K experts that change) and set change (the share of (token, layer) decisions whose top-K set changed), with the
 share of tokens re-routed in any layer. A panel whose metric is 0 or missing in every run is left out, and the
 figure lists it in `fig.skipped_panels` (the report's README names them). FIGURES lists the report's figures
@@ -21,15 +21,15 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analysis.aggregate import _label_part
-from analysis.churn_figures import (
+from moe_rl.analysis.aggregate import _label_part
+from moe_rl.analysis.churn_figures import (
     fig_churn_layer_profile,
     fig_churn_scaling,
     fig_churn_vs_policy_change,
     fig_scaling_fit,
 )
-from analysis.load import RunSet
-from analysis.panels import (
+from moe_rl.analysis.load import RunSet
+from moe_rl.analysis.panels import (
     LABELS,
     SMOOTH_STEPS,
     X_LABELS,
@@ -41,7 +41,7 @@ from analysis.panels import (
     no_data,
     present,
 )
-from analysis.style import SEQUENTIAL_CMAP, in_paper_style, new_figure, percent_formatter
+from moe_rl.analysis.style import SEQUENTIAL_CMAP, in_paper_style, new_figure, percent_formatter
 
 __all__ = ["FIGURES", "LABELS", "SMOOTH_STEPS", "looks_for"]
 READINGS = ("routing/update/churn", "routing/update/set_change", "routing/update/token_any")

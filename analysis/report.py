@@ -7,14 +7,14 @@ rollout steps, then summarise over runs (mean, interquartile mean, CI). Running,
 included; their status is in the tables and diverged runs are marked where they stopped.
 
     <out>/README.md                        the command, the runs, final scores, the config that produced them
-    <out>/figures/<name>.png and .pdf      see analysis.plots.FIGURES and docs/analysis.md
+    <out>/figures/<name>.png and .pdf      see moe_rl.analysis.plots.FIGURES and docs/analysis.md
     <out>/tables/runs.csv                  one row per run: group, seed, status, reason, last step, config
     <out>/tables/final_scores.csv          per group and metric: n_runs, n_diverged, mean, iqm, std, ci_low, ci_high
     <out>/tables/layer_churn.csv           per group, probe and layer: churn mean and 95% CI over runs
     <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
     <out>/tables/learning.csv              per group: held-out reward before/after RL, gain with CI, collapses
     <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
-    <out>/tables/per_run_final.csv         per run: the values every table above summarises (analysis.per_run)
+    <out>/tables/per_run_final.csv         per run: the values every table above summarises (moe_rl.analysis.per_run)
     <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
     <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
     <out>/tables/scaling_set_change_check.csv  lr sweeps: per top-k, set change / slot churn against 1-(1-c)^K / c
@@ -40,22 +40,22 @@ from typing import Annotated
 import pandas as pd
 import tyro
 
-from analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci, run_finals
-from analysis.baseline import against_baseline, read_baseline, with_baseline
-from analysis.cells import churn_vs_lr_depth, run_summary
-from analysis.comparisons import paired_comparisons
-from analysis.learning import learning_table
-from analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
-from analysis.per_run import per_run_eval, per_run_final, warm_start_name
-from analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
-from analysis.report_text import (
+from moe_rl.analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci, run_finals
+from moe_rl.analysis.baseline import against_baseline, read_baseline, with_baseline
+from moe_rl.analysis.cells import churn_vs_lr_depth, run_summary
+from moe_rl.analysis.comparisons import paired_comparisons
+from moe_rl.analysis.learning import learning_table
+from moe_rl.analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
+from moe_rl.analysis.per_run import per_run_eval, per_run_final, warm_start_name
+from moe_rl.analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
+from moe_rl.analysis.report_text import (
     baseline_section,
     learning_markdown,
     paired_markdown,
     scaling_markdown,
     skipped_markdown,
 )
-from analysis.scaling import (
+from moe_rl.analysis.scaling import (
     coefficient_table,
     extrapolation_table,
     held_out_check,
@@ -64,7 +64,7 @@ from analysis.scaling import (
     split_target,
     warm_start_cluster,
 )
-from analysis.style import FORMATS, save
+from moe_rl.analysis.style import FORMATS, save
 from moe_rl.errors import ConfigError, check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
@@ -292,7 +292,7 @@ def write_tables(data: RunSet, folder: Path, last_k: int, margin: float = 0.05,
 
 
 def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The churn scaling fit (analysis.scaling), for sweeps of the learning rate that log both readings;
+    """The churn scaling fit (moe_rl.analysis.scaling), for sweeps of the learning rate that log both readings;
     `summary` is run_summary(data, last_k)."""
     per_run = summary[summary["run"].map(data.runs.set_index("run")["status"]) != "diverged"].copy()
     if per_run["optim.lr"].nunique() < 2 or per_run[["churn", "set_change", "kl_median"]].isna().all().any():

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from analysis.cells import READING_HELP, READING_LABELS
-from analysis.scaling import PAPER_CHURN, TARGET
+from moe_rl.analysis.cells import READING_HELP, READING_LABELS
+from moe_rl.analysis.scaling import PAPER_CHURN, TARGET
 
 
 def _pct(value: float) -> str:
@@ -105,7 +105,7 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
                          f"{with_ci(r['predicted'], r['predicted_ci_low'], r['predicted_ci_high'], True)} | "
                          f"{'yes' if r.get('agrees') else '**no**'} |")
         lines += ["", "agree: the runs' log readings and the log prediction differ by at most the two intervals' "
-                  "half-widths added in quadrature (analysis.scaling.agrees)."]
+                  "half-widths added in quadrature (moe_rl.analysis.scaling.agrees)."]
     n_terms = fit.groupby("reading")["estimate"].apply(lambda e: int(e.notna().sum())).max()
     n_runs = int(fit["n_runs"].min())
     if n_runs < 5 * n_terms:
@@ -150,7 +150,7 @@ def learning_markdown(table: pd.DataFrame) -> str:
              "(analysis/collapse.py).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, row in table.iterrows():
-        if pd.isna(row["n_runs"]):  # the baseline row (analysis.baseline.with_baseline): one measurement, no runs
+        if pd.isna(row["n_runs"]):  # the baseline row (moe_rl.analysis.baseline.with_baseline): one measurement, no runs
             lines.append(f"| {row['group']} | | | {row['final']:.3f} +- {row['baseline_se']:.3f} (baseline) | | | | |")
             continue
         lines.append(f"| {row['group']} | {int(row['n_runs'])} | {row['start']:.3f} | {row['final']:.3f} | "
@@ -167,7 +167,7 @@ def _p(value: float) -> str:
 
 
 def paired_markdown(table: pd.DataFrame | None, margin: float) -> str:
-    """The paired method comparisons (analysis.comparisons): one line per (metric, setting, pair of methods)."""
+    """The paired method comparisons (moe_rl.analysis.comparisons): one line per (metric, setting, pair of methods)."""
     if table is None or table.empty:
         return ""
     header = ["metric", "setting", "a - b", "pairs", "difference [95% CI]", "p", "p (Holm)", f"p TOST (+-{margin:g})",
@@ -191,7 +191,7 @@ def baseline_section(baseline: dict | None, against: pd.DataFrame | None) -> str
     """The baseline row (the warm start at its best temperature, and greedy) and each group against it."""
     if baseline is None:
         return ""
-    from analysis.baseline import baseline_markdown
+    from moe_rl.analysis.baseline import baseline_markdown
 
     lines = ["## Against the warm start's best", "",
              "RL that only sharpens the policy beats the warm start sampled at T = 1 but not the warm start at its "

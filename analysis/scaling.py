@@ -19,7 +19,7 @@ more warm starts (`warm_start_cluster`), in two stages: the warm starts of each 
 drawn warm start, so that runs sharing a warm start do not count as independent evidence. Runs whose reading or driver is
 0 or missing cannot enter a log-log fit; `n_excluded` counts them.
 
-    per_run = run_summary(data)                 # analysis.cells
+    per_run = run_summary(data)                 # moe_rl.analysis.cells
     fit_runs, paper_runs = split_target(per_run)   # runs of the 48 / 128 / top-8 arm are held out of the fit
     law = fit_power_law(fit_runs, "set_change")    # PowerLaw: predictors, coef, r2, predict(), driver_for()
     table = extrapolation_table(fit_runs)       # the reading at 48 layers / 128 experts / top-8, and the KL
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from analysis.aggregate import summarize
-from analysis.stats import cluster_resamples
+from moe_rl.analysis.aggregate import summarize
+from moe_rl.analysis.stats import cluster_resamples
 from moe_rl.errors import ConfigError
 
 FITTED_READINGS = ("churn", "set_change")
@@ -133,7 +133,7 @@ def _design(frame: pd.DataFrame, driver: str) -> tuple[np.ndarray, list[str], li
 
 def fit_power_law(per_run: pd.DataFrame, reading: str = "churn", driver: str = "kl") -> PowerLaw:
     """Least-squares fit of the law for `reading` ("churn" | "set_change" | "token_any") on per-run rows
-    (analysis.cells.run_summary). Raises ConfigError when the driver does not vary (nothing to fit)."""
+    (moe_rl.analysis.cells.run_summary). Raises ConfigError when the driver does not vary (nothing to fit)."""
     if driver not in DRIVERS:
         raise ConfigError(f"driver={driver!r}: use one of {', '.join(DRIVERS)}")
     driver_column = DRIVERS[driver]
@@ -155,7 +155,7 @@ def bootstrap_laws(per_run: pd.DataFrame, reading: str, driver: str = "kl", n_bo
                    seed: int = BOOT_SEED, cluster: str | None = None) -> list[PowerLaw]:
     """The law refit on `n_boot` resamples (with replacement) of the runs that enter the fit, with the full
     fit's predictors; resamples in which they are no longer of full rank are skipped. `cluster` (a column such
-    as `init_from`, the warm start): resample clusters, then runs within them (analysis.stats.cluster_resamples),
+    as `init_from`, the warm start): resample clusters, then runs within them (moe_rl.analysis.stats.cluster_resamples),
     so that runs sharing a warm start do not count as independent; the warm starts are drawn within each
     architecture (`strata`), which every resample keeps as the sweep designed it."""
     full = fit_power_law(per_run, reading, driver)
@@ -207,7 +207,7 @@ def coefficient_table(per_run: pd.DataFrame, driver: str = "kl", readings=FITTED
 
 def reference_driver(per_run: pd.DataFrame, driver: str = "kl") -> float:
     """The driver value where RL learns: the median over runs of cells whose held-out gain CI lies above 0
-    (analysis.cells `learns`, passed in as a `learns` column), or over all runs if none learns."""
+    (moe_rl.analysis.cells `learns`, passed in as a `learns` column), or over all runs if none learns."""
     column = DRIVERS[driver]
     learning = per_run[per_run["learns"]] if "learns" in per_run and per_run["learns"].any() else per_run
     return float(learning[column].median())
@@ -352,7 +352,7 @@ def agrees(measured_runs, predicted: float, predicted_low: float, predicted_high
 
 
 def near_level_cells(cells: pd.DataFrame, level: float = PAPER_CHURN, factor: float = 2.0) -> pd.DataFrame:
-    """Cells (analysis.cells.churn_vs_lr_depth rows) where a reading lies within `factor` of `level` (5-20% for
+    """Cells (moe_rl.analysis.cells.churn_vs_lr_depth rows) where a reading lies within `factor` of `level` (5-20% for
     10%), with whether RL learned there; one row per (cell, reading)."""
     rows = []
     for reading in FITTED_READINGS + ("token_any",):

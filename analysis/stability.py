@@ -2,10 +2,10 @@
 learning rate at fixed staleness, or the minibatches per rollout batch at a fixed learning rate), how held-out
 accuracy changed, how often it declined, and how far each update moved the policy.
 
-    python -m analysis.stability sweeps/stability --out results/stability [--baseline .../evaluate]
-    python -m analysis.stability --pool results/stability/lr_1 results/stability/lr_2 --out results/stability
+    python -m moe_rl.analysis.stability sweeps/stability --out results/stability [--baseline .../evaluate]
+    python -m moe_rl.analysis.stability --pool results/stability/lr_1 results/stability/lr_2 --out results/stability
 
-The first writes the generic report (analysis.report, with per-run tables) and, beside it, the map below; the
+The first writes the generic report (moe_rl.analysis.report, with per-run tables) and, beside it, the map below; the
 second makes the map alone from report folders' committed per-run tables (sittings whose sweep folders are gone):
 
     tables/stability_cells.csv   per axis, method and axis value: n_seeds, change (mean, 95% t CI), n_declined,
@@ -13,7 +13,7 @@ second makes the map alone from report folders' committed per-run tables (sittin
                                  seeds of each run's median update/kl), set_change and churn (routing change per
                                  update)
     tables/critical.csv          per axis and method: the axis value where the mean change turns negative, with
-                                 its 95% CI (analysis.stats.critical_point, t inversion over seeds)
+                                 its 95% CI (moe_rl.analysis.stats.critical_point, t inversion over seeds)
     tables/kl_matched.csv        each axis read at matched per-update KL: per axis, method and KL point, the
                                  change (mean, CI over seeds) and its paired difference from the reference method
                                  (GRPO, native routing), with Holm's adjustment within the axis
@@ -59,10 +59,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from analysis.aggregate import summarize
-from analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
-from analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
-from analysis.style import group_looks, in_paper_style, new_figure, save
+from moe_rl.analysis.aggregate import summarize
+from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
+from moe_rl.analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
+from moe_rl.analysis.style import group_looks, in_paper_style, new_figure, save
 from moe_rl.errors import DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
@@ -115,7 +115,7 @@ CHANGE_COLUMNS = ["run", "n_after", "start", "change", "floor", "declined", "lea
 def run_changes(per_eval: pd.DataFrame) -> pd.DataFrame:
     """One row per run: run, n_after (evaluations after step 0), then per endpoint of ENDPOINTS (the greedy one's
     columns prefixed `greedy_`) start, change, floor, declined and learned: NaN where a run has fewer than
-    LAST_EVALUATIONS evaluations of that metric after the start. `per_eval`: analysis.per_run.per_run_eval."""
+    LAST_EVALUATIONS evaluations of that metric after the start. `per_eval`: moe_rl.analysis.per_run.per_run_eval."""
     rows = []
     for run, evals in per_eval.sort_values("step").groupby("run", sort=False):
         primary = evals.dropna(subset=["eval/reward"]) if "eval/reward" in evals else evals.iloc[:0]
@@ -159,7 +159,7 @@ def with_configs(per_run: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
-    """per_run (analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results only:
+    """per_run (moe_rl.analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results only:
     a run still running, failed or interrupted (`status`, where the table has it) is left out. A diverged run is a
     result: it declined (and did not learn), and its changes are 0 minus its start (a policy with non-finite weights
     solves nothing), so that an lr which blows a run up counts against the method instead of leaving the cell."""
@@ -194,7 +194,7 @@ def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
 
 
 PER_RUN_TABLES = ("per_run_final.csv", "per_run_eval.csv", "runs.csv")
-"""The generic report's per-run tables (analysis.report) the map is computed from: what results/ commits."""
+"""The generic report's per-run tables (moe_rl.analysis.report) the map is computed from: what results/ commits."""
 
 
 def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
@@ -220,7 +220,7 @@ def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise DataError(f"{path}: no such table (a report folder holds tables/{', tables/'.join(PER_RUN_TABLES)}: "
-                        "moe-rl report or python -m analysis.stability writes them)")
+                        "moe-rl report or python -m moe_rl.analysis.stability writes them)")
     return pd.read_csv(path)
 
 
@@ -248,7 +248,7 @@ def swept_axes(frame: pd.DataFrame, fixed: dict) -> list[str]:
 def stability_cells(frame: pd.DataFrame, fixed: dict) -> pd.DataFrame:
     """CELL_COLUMNS, per swept axis of `fixed` (its keys), method and axis value. set_change and churn: the seed
     mean of each run's mean routing change per update; reward_gain: of its training reward's gain (the secondary
-    endpoint; analysis.cells); NaN where the runs did not log them."""
+    endpoint; moe_rl.analysis.cells); NaN where the runs did not log them."""
     rows = []
     for axis in swept_axes(frame, fixed):
         for (method, value), runs in axis_runs(frame, axis, fixed).groupby(["method", axis], sort=True):
@@ -489,11 +489,11 @@ def _log_axis(axis, percent: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from analysis.report import ReportConfig, report
-    from analysis.stability_text import sources_line, stability_markdown
-    from experiments.stability import FIXED_LR, FIXED_MINIBATCHES
+    from moe_rl.analysis.report import ReportConfig, report
+    from moe_rl.analysis.stability_text import sources_line, stability_markdown
+    from moe_rl.experiments.stability import FIXED_LR, FIXED_MINIBATCHES
 
-    parser = argparse.ArgumentParser(prog="python -m analysis.stability", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m moe_rl.analysis.stability", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="?", default=None,
                         help="the stability sweep directory, or a folder holding several (an lr sweep and a "
@@ -543,15 +543,15 @@ def main(argv: list[str] | None = None) -> None:
     sources = sources_line(folders, frame, repeats, out)
     text = stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm, sources)
     (out / "STABILITY.md").write_text(text, encoding="utf-8")
-    print(f"analysis.stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "
+    print(f"moe_rl.analysis.stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "
           f"{len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
 
 
 if __name__ == "__main__":
-    from analysis.load import NoRunsError
+    from moe_rl.analysis.load import NoRunsError
     from moe_rl.errors import ConfigError
 
     try:
         main()
     except (ConfigError, DataError, NoRunsError) as err:  # bad input ends in one line, as the moe-rl commands do
-        raise SystemExit(f"python -m analysis.stability: error: {err}") from None
+        raise SystemExit(f"python -m moe_rl.analysis.stability: error: {err}") from None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
+from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 
 
 def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.DataFrame, fixed: dict,

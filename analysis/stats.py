@@ -2,7 +2,7 @@
 the minimum detectable difference, a cluster bootstrap over warm starts, and the critical point of a stability axis.
 
 Inputs are per-run values (one number per seed: a run's final held-out reward, its held-out change, its median
-KL); outputs are plain numbers or small frozen dataclasses. Conventions (those of analysis.aggregate): non-finite
+KL); outputs are plain numbers or small frozen dataclasses. Conventions (those of moe_rl.analysis.aggregate): non-finite
 values are left out (for paired tests, the pair is), fewer than 2 values give NaN, and no test claims more than
 its data hold (a zero spread gives p = 0 or 1, never an error).
 
@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 from scipy import integrate, optimize, special, stats
 
-from analysis.aggregate import BOOTSTRAP_SEED, CONFIDENCE, N_RESAMPLES, bootstrap_ci
+from moe_rl.analysis.aggregate import BOOTSTRAP_SEED, CONFIDENCE, N_RESAMPLES, bootstrap_ci
 
 ALPHA = 0.05
 POWER = 0.8

@@ -20,14 +20,14 @@ docstring with its question and expected time, and list it in EXPERIMENTS.
 
 from collections.abc import Callable
 
-from experiments.ablations import ablations
-from experiments.churn_repro import churn_repro
-from experiments.correction import correction
-from experiments.length_generalisation import length_generalisation
-from experiments.objective_comparison import objective_comparison
-from experiments.smoke import smoke
-from experiments.stability import stability
-from experiments.stress import stress
+from moe_rl.experiments.ablations import ablations
+from moe_rl.experiments.churn_repro import churn_repro
+from moe_rl.experiments.correction import correction
+from moe_rl.experiments.length_generalisation import length_generalisation
+from moe_rl.experiments.objective_comparison import objective_comparison
+from moe_rl.experiments.smoke import smoke
+from moe_rl.experiments.stability import stability
+from moe_rl.experiments.stress import stress
 from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 

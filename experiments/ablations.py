@@ -17,7 +17,7 @@ with --workers 2 on this shared 2-core machine (warm starts about 25 s, runs 11-
 
 from __future__ import annotations
 
-from experiments.common import rl_base, warm_start
+from moe_rl.experiments.common import rl_base, warm_start
 from moe_rl.objectives import get_objective
 from moe_rl.sweep.grid import Experiment, axis, product, union
 

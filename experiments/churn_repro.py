@@ -50,7 +50,7 @@ by `make reproduce`.
 
 from __future__ import annotations
 
-from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.errors import ConfigError
 from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, Point, axis, product, union

@@ -28,7 +28,7 @@ GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 
 from __future__ import annotations
 
-from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.sweep.grid import Experiment, axis, product
 
 TIS = {"correction.is_level": "token", "correction.is_cap": 2.0}  # verl's default cap

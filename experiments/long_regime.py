@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from experiments.common import SCALES, rl_base
-from experiments.common import model as common_model
-from experiments.common import warm_start as common_warm_start
+from moe_rl.experiments.common import SCALES, rl_base
+from moe_rl.experiments.common import model as common_model
+from moe_rl.experiments.common import warm_start as common_warm_start
 from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.rl.run_config import LogConfig, SFTConfig, TrainConfig

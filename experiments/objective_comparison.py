@@ -48,7 +48,7 @@ GPU (`scale="gpu"`): the common gpu model on running_sum with 4-8 terms of 1-2 d
 
 from __future__ import annotations
 
-from experiments.long_regime import SAMPLER_PRECISION, regime_base, regime_warm_start
+from moe_rl.experiments.long_regime import SAMPLER_PRECISION, regime_base, regime_warm_start
 from moe_rl.sweep.grid import Experiment, axis, product
 
 METHODS = [("grpo", "native"), ("grpo", "R2"), ("grpo", "R3"), ("gspo", "native"), ("gspo", "R2")]

@@ -6,8 +6,8 @@ sampler-vs-trainer k3 KL per token (`rollout/kl`), the extreme-token fraction (`
 positions. What it simplifies on purpose: one batch and one seed per arm (a measurement of the arm, not a training
 comparison; experiments/correction.py is the sweep).
 
-    python -m experiments.precision_arms --warm-start runs/regime_warm            # CPU: ~7 min SFT + ~2 min
-    python -m experiments.precision_arms --warm-start runs/regime_warm --prompts 64 --group-size 8
+    python -m moe_rl.experiments.precision_arms --warm-start runs/regime_warm            # CPU: ~7 min SFT + ~2 min
+    python -m moe_rl.experiments.precision_arms --warm-start runs/regime_warm --prompts 64 --group-size 8
 
 The warm start (800 SFT steps of regime_warm_start("cpu")) is trained into --warm-start first when it holds no
 checkpoint. docs/metrics.md ("Sampler precision arms") has the numbers this printed.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.long_regime import regime_base, regime_warm_start
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.commands.sft import sft
 from moe_rl.model.precision import SAMPLER_PRECISIONS
 from moe_rl.rl.correction import mismatch_metrics

@@ -21,8 +21,8 @@ GPU (`scale="gpu"`): the gpu regime at 3x its lr with 8 minibatches; not yet run
 
 from __future__ import annotations
 
-from experiments.long_regime import SAMPLER_PRECISION, knobs, regime_base, regime_warm_start
-from experiments.objective_comparison import methods_grid
+from moe_rl.experiments.long_regime import SAMPLER_PRECISION, knobs, regime_base, regime_warm_start
+from moe_rl.experiments.objective_comparison import methods_grid
 from moe_rl.sweep.grid import Experiment
 
 CPU_STRESS = dict(lr=4e-4, minibatches=8, steps=10)

@@ -63,7 +63,7 @@ def _evaluate():
 def _sweep():
     from functools import partial
 
-    from experiments import EXPERIMENTS
+    from moe_rl.experiments import EXPERIMENTS
     from moe_rl.sweep.command import sweep_command
     from moe_rl.sweep.config import SweepConfig
 
@@ -71,7 +71,7 @@ def _sweep():
 
 
 def _report():
-    from analysis.report import ReportConfig, report
+    from moe_rl.analysis.report import ReportConfig, report
 
     return ReportConfig, report
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("moe_rl", "experiments", "analysis")
+# The folder each package's modules live in: experiments/ and analysis/ install as moe_rl.experiments and
+# moe_rl.analysis (pyproject.toml, [tool.setuptools] package-dir).
+PACKAGES = {"moe_rl": "moe_rl", "moe_rl.experiments": "experiments", "moe_rl.analysis": "analysis"}
 
 # Bottom to top, one floor a folder (docs/design.md section 3). A module may import its own floor (without circles)
 # and the floors below it.
@@ -25,19 +28,31 @@ FLOORS = [
     ("the RL step", ("moe_rl.rl",)),
     ("commands", ("moe_rl.commands",)),
     ("sweeps", ("moe_rl.sweep",)),
-    ("experiments, analysis and the CLI", ("moe_rl.cli", "experiments", "analysis")),
+    ("experiments, analysis and the CLI", ("moe_rl.cli", "moe_rl.experiments", "moe_rl.analysis")),
 ]
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, package: str, folder: str) -> str:
+    parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module_name(path, package, folder): path
+            for package, folder in PACKAGES.items() for path in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def test_pyproject_installs_every_package_folder():
+    """setuptools is given the package list by hand (the two folders outside moe_rl/ need it): a new subpackage
+    missing from it would be left out of an install, and work only in the checkout."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    found = {module_name(init, package, folder) for package, folder in PACKAGES.items()
+             for init in (ROOT / folder).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == found
+    assert setuptools["package-dir"] == {p: f for p, f in PACKAGES.items() if p != f}
 
 
 def imported(path: Path, modules: dict[str, Path]) -> set[str]:

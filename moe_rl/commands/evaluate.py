@@ -8,7 +8,7 @@ used for the choice, so they stay unbiased (validation and held-out share no pro
 
 It writes evaluate.json (config, the sweep, the choice, the held-out row) and evaluate.csv (one row per measurement)
 to `--out`, by default <run>/evaluate/. Standard errors count prompts, not samples (moe_rl/rl/heldout.py); the
-analysis side reads the file with analysis.baseline. It simplifies on purpose: one process, no top-p sweep, native
+analysis side reads the file with moe_rl.analysis.baseline. It simplifies on purpose: one process, no top-p sweep, native
 or Hugging Face models through moe_rl.rl.build as training builds them.
 
 The task and sampler come from the run's config.json (`task`, and `rollout.sampling` or SFT's `sampling`); without

@@ -61,7 +61,7 @@ class Experiment:
     warmstart_seeds: int = 1
     """Warm starts per architecture: run seed s trains from the warm start of SFT seed (its own seed + s mod
     warmstart_seeds), so that contrasts between architectures carry warm-start variance (and an analysis can
-    resample warm starts: analysis.stats.cluster_bootstrap over init_from)."""
+    resample warm starts: moe_rl.analysis.stats.cluster_bootstrap over init_from)."""
     warmstart_own_task: bool = False
     """False: each run's warm start trains on the run's own task. True: on the warm start config's task, whatever
     the runs' (RL on harder problems than the warm start saw, as in a length-generalisation study)."""

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from conftest import TINY_MODEL, tiny_train_config
 
-from analysis.aggregate import (
+from moe_rl.analysis.aggregate import (
     add_groups,
     bootstrap_ci,
     final_scores,
@@ -29,10 +29,10 @@ from analysis.aggregate import (
     run_finals,
     t_ci,
 )
-from analysis.cells import churn_vs_lr_depth
-from analysis.load import NoRunsError, load_runs
-from analysis.plots import FIGURES
-from analysis.report import ReportConfig, summary_markdown
+from moe_rl.analysis.cells import churn_vs_lr_depth
+from moe_rl.analysis.load import NoRunsError, load_runs
+from moe_rl.analysis.plots import FIGURES
+from moe_rl.analysis.report import ReportConfig, summary_markdown
 from moe_rl.commands.train import train
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
@@ -131,7 +131,7 @@ def test_a_diverged_run_loads_with_its_reason_and_its_nan_kept(runs_root):
 
 
 def test_a_folder_of_links_reads_each_linked_sweep_once_even_through_a_loop(tmp_path):
-    from analysis.load import find_runs
+    from moe_rl.analysis.load import find_runs
 
     for sweep in ("lr", "staleness"):
         for name in ("a", "b"):
@@ -267,7 +267,7 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
 
 
 def test_coinciding_groups_are_named_in_the_legend(runs_root, tmp_path):
-    from analysis.plots import fig_comparison, looks_for
+    from moe_rl.analysis.plots import fig_comparison, looks_for
 
     shutil.copytree(runs_root / "sweep" / "runs", tmp_path / "runs")
     for seed in (0, 1):  # an R3 group identical to R2, as on CPU
@@ -313,7 +313,7 @@ def test_report_help_and_bad_input(tmp_path):
 
 
 def test_churn_scaling_figures_only_for_learning_rate_sweeps(sweep, runs_root):
-    from analysis.churn_figures import fig_churn_layer_profile, fig_churn_scaling, run_churn
+    from moe_rl.analysis.churn_figures import fig_churn_layer_profile, fig_churn_scaling, run_churn
 
     assert fig_churn_scaling(sweep) is None and fig_churn_layer_profile(sweep) is None  # one lr: nothing to draw
     scan = load_runs(runs_root / "scan")
@@ -324,10 +324,10 @@ def test_churn_scaling_figures_only_for_learning_rate_sweeps(sweep, runs_root):
 
 
 def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(runs_root, tmp_path, monkeypatch):
-    import analysis.report
-    from analysis.report import report
+    import moe_rl.analysis.report
+    from moe_rl.analysis.report import report
 
-    monkeypatch.setattr(analysis.report, "write_figures", lambda data, folder: ([], []))  # tested above; 20 s here
+    monkeypatch.setattr(moe_rl.analysis.report, "write_figures", lambda data, folder: ([], []))  # tested above; 20 s here
 
     result = {"checkpoint": "c.pt", "step": 300, "best_temperature": 0.5,
               "heldout": {"sampled": {"temperature": 0.5, "mean": 0.25, "se": 0.02, "prompts": 1024, "samples": 1},
@@ -356,8 +356,8 @@ def test_fields_unset_in_some_runs_or_added_since_others_ran_group_correctly(tmp
     a band) is a value of its own, so TIS and IcePop runs fall in different groups, and its label part is left out;
     a field absent from an older run's config.json (added to moe-rl since) reads as its default, so it does not
     split runs made before and after the addition."""
-    from analysis.aggregate import group_label
-    from analysis.load import distinct_values
+    from moe_rl.analysis.aggregate import group_label
+    from moe_rl.analysis.load import distinct_values
 
     assert distinct_values(pd.Series([2.0, None, None])) == 2 and distinct_values(pd.Series([None, None])) == 1
     assert group_label({"routing_mode": "native", "correction.is_cap": float("nan"),

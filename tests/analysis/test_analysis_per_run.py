@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis.aggregate import add_groups, group_keys, t_ci
-from analysis.comparisons import critical_points, method_keys, paired_comparisons
-from analysis.load import load_runs
-from analysis.per_run import warm_start_name
-from analysis.plots import FIGURES
-from analysis.report import ReportConfig, report
+from moe_rl.analysis.aggregate import add_groups, group_keys, t_ci
+from moe_rl.analysis.comparisons import critical_points, method_keys, paired_comparisons
+from moe_rl.analysis.load import load_runs
+from moe_rl.analysis.per_run import warm_start_name
+from moe_rl.analysis.plots import FIGURES
+from moe_rl.analysis.report import ReportConfig, report
 
 METHODS = {"grpo native": ("grpo", "native"), "grpo R2": ("grpo", "R2"), "gspo native": ("gspo", "native")}
 SEEDS = (0, 1, 2, 3)
@@ -145,7 +145,7 @@ def test_paired_blocks_by_setting_and_pairs_only_shared_seeds(sweep_dir, tmp_pat
     data = add_groups(data, group_keys(data))
     assert data.group_by == ["objective.name", "routing_mode", "optim.lr"]
     assert method_keys(data.group_by) == ["objective.name", "routing_mode"]
-    from analysis.per_run import per_run_final
+    from moe_rl.analysis.per_run import per_run_final
 
     table = paired_comparisons(per_run_final(data, ["eval/reward"]), data.group_by, metrics=["eval_gain"])
     assert sorted(table["setting"].unique()) == ["lr=0.0003", "lr=0.001"]
@@ -221,7 +221,7 @@ def test_the_committed_churn_law_is_recomputed_from_its_per_run_table():
     architecture) come out of the committed per-run table again, as does the held-out 48-block check."""
     from pathlib import Path
 
-    from analysis.scaling import coefficient_table, held_out_check, split_target, warm_start_cluster
+    from moe_rl.analysis.scaling import coefficient_table, held_out_check, split_target, warm_start_cluster
 
     tables = Path(__file__).resolve().parents[2] / "results" / "churn_law" / "report" / "tables"
     per_run = pd.read_csv(tables / "per_run_final.csv")

@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis.aggregate import run_finals, run_initials, summarize
-from analysis.compare_committed import compare, outside_count
-from analysis.compare_committed import main as compare_main
-from analysis.panels import percent_axis
-from analysis.scaling import (
+from moe_rl.analysis.aggregate import run_finals, run_initials, summarize
+from moe_rl.analysis.compare_committed import compare, outside_count
+from moe_rl.analysis.compare_committed import main as compare_main
+from moe_rl.analysis.panels import percent_axis
+from moe_rl.analysis.scaling import (
     bootstrap_laws,
     extrapolation_table,
     fit_power_law,
@@ -21,7 +21,7 @@ from analysis.scaling import (
     near_level_cells,
     split_target,
 )
-from analysis.style import PercentFormatter, new_figure, paper
+from moe_rl.analysis.style import PercentFormatter, new_figure, paper
 from moe_rl.errors import ConfigError
 
 # --- final scores ------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def _cells(rows) -> pd.DataFrame:
 
 
 def _cell(group: str, values, metric: str = "churn") -> dict:
-    """A churn_vs_lr_depth row as the report writes it (analysis.aggregate.summarize over the seeds)."""
+    """A churn_vs_lr_depth row as the report writes it (moe_rl.analysis.aggregate.summarize over the seeds)."""
     summary = summarize(values)
     return {"group": group, "n_runs": summary["n"], f"{metric}_mean": summary["mean"],
             f"{metric}_ci_low": summary["ci_low"], f"{metric}_ci_high": summary["ci_high"]}
@@ -157,7 +157,7 @@ def test_compare_uses_per_seed_values_beside_the_tables(tmp_path, capsys):
 
 def _null_tables(rng, cells: int, n_old: int, n_new: int, shift_sd: float = 0.0):
     """Committed and rerun cell tables whose seeds come from one normal law per cell (the rerun's shifted by
-    `shift_sd` sd), each with the t CI the report writes (analysis.aggregate.t_ci, vectorised here)."""
+    `shift_sd` sd), each with the t CI the report writes (moe_rl.analysis.aggregate.t_ci, vectorised here)."""
     means, sds = rng.uniform(0.01, 0.5, cells), rng.uniform(0.001, 0.05, cells)
 
     def table(n: int, shift: float) -> pd.DataFrame:
@@ -288,7 +288,7 @@ def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
     by_runs = width(bootstrap_laws(runs, "churn", n_boot=200))
     by_warm_start = width(bootstrap_laws(runs, "churn", n_boot=200, cluster="init_from"))
     assert by_warm_start > 2 * by_runs  # 0.49 against 0.16 here
-    from analysis.scaling import warm_start_cluster
+    from moe_rl.analysis.scaling import warm_start_cluster
 
     assert warm_start_cluster(runs) == "init_from"  # every depth has 2 warm starts: the report resamples them
     one_each = runs.assign(init_from=runs["model.n_layers"].map(lambda n: f"L{n}"))
@@ -296,7 +296,7 @@ def test_scaling_bootstrap_over_warm_starts_carries_their_variance():
 
 
 def test_warm_starts_are_drawn_within_each_architecture():
-    from analysis.stats import cluster_resamples
+    from moe_rl.analysis.stats import cluster_resamples
 
     # 3 architectures: 2, 2 and 1 warm starts of 2 runs each. Stratified, every resample holds each architecture's
     # number of warm starts and runs; drawn across architectures, some resamples leave one out.
@@ -312,7 +312,7 @@ def test_a_held_init_separates_depth_from_the_residual_init():
     """Churn that depends on the residual init's depth only (exponent -0.4), not on depth: runs at 4 and 8 blocks
     with their own init, and 8 blocks with the 4-block init (init_depth 4). The law finds depth 0 and init -0.4;
     without the held-init runs it would read -0.4 as depth's."""
-    from analysis.scaling import INIT_LAYERS
+    from moe_rl.analysis.scaling import INIT_LAYERS
 
     rows = []
     for layers, init_depth in ((4, 0), (8, 0), (8, 4)):
@@ -337,7 +337,7 @@ def test_set_change_derived_from_slot_churn_respects_its_bound_where_the_direct_
     at all, and set change is exactly 1 - (1 - c)^K. The direct set-change fit puts the K change into an E exponent
     of log 4 / log 8 = 0.667, so at 128/8 it predicts 2^0.667 = 1.59x the 64/8 value, about 12.6 x slot churn:
     more than K = 8 allows. The derived row stays at 1 - (1 - c)^8."""
-    from analysis.scaling import set_change_check, set_change_from_slot
+    from moe_rl.analysis.scaling import set_change_check, set_change_from_slot
 
     rows = []
     for layers in (4, 8):
@@ -388,7 +388,7 @@ def test_near_level_cells_name_the_reading_and_whether_rl_learns():
 def test_mdd_of_methods_that_agree_to_rounding_is_tiny_not_an_error():
     """Under the zero-mismatch control every correction is the identity, so two methods' values differ by float
     noise (sd ~1e-17): the minimum detectable difference scales with it, and the exact root must not fail."""
-    from analysis.stats import mdd_paired
+    from moe_rl.analysis.stats import mdd_paired
 
     assert mdd_paired(3, 1e-17) == pytest.approx(1e-17 * mdd_paired(3, 1.0), rel=1e-9)
     assert mdd_paired(3, 1.0) == pytest.approx(3.26, abs=0.01) and mdd_paired(3, 0.0) == 0.0
@@ -399,7 +399,7 @@ def test_power_at_two_seeds_where_scipys_noncentral_t_gives_nan():
     power, and agrees with nct where nct works."""
     from scipy import stats
 
-    from analysis.stats import _noncentral_t_power, mdd_paired, power_paired
+    from moe_rl.analysis.stats import _noncentral_t_power, mdd_paired, power_paired
 
     tc = stats.t.ppf(0.975, 1)
     assert _noncentral_t_power(tc, 1, 3.0) == pytest.approx(stats.nct.sf(tc, 1, 3.0) + stats.nct.cdf(-tc, 1, 3.0),
@@ -411,7 +411,7 @@ def test_power_at_two_seeds_where_scipys_noncentral_t_gives_nan():
 def test_a_nearly_flat_law_puts_the_level_out_of_reach_instead_of_overflowing():
     """One sitting's runs at two lrs gave a churn law with a slope near 0: the lr that reaches 10% churn lies beyond
     any float, and the report (driver_for) crashed with OverflowError; it now reads inf."""
-    from analysis.scaling import PowerLaw
+    from moe_rl.analysis.scaling import PowerLaw
 
     fields = {name: 0 for name in PowerLaw.__dataclass_fields__}
     law = PowerLaw(**{**fields, "reading": "churn", "predictors": ["kl_median"], "intercept": -5.0, "coef": [1e-4],

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from analysis.collapse import collapse_step, count_collapses, run_collapsed
+from moe_rl.analysis.collapse import collapse_step, count_collapses, run_collapsed
 
 STEPS = [0, 10, 20, 30, 40]
 
@@ -43,7 +43,7 @@ def test_count_collapses_per_group():
 
 
 def test_learning_table_gain_ci_and_collapses_per_group():
-    from analysis.learning import learning_table
+    from moe_rl.analysis.learning import learning_table
 
     # group "up": 5 runs that gain 0.2 +- a little; group "down": one collapses, one holds
     curves = {f"u{i}": [0.4, 0.5, 0.6 + 0.01 * i] for i in range(5)}

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 from conftest import cli, tiny_train_config
 
-import analysis.report
-from analysis.report import ReportConfig, report
+import moe_rl.analysis.report
+from moe_rl.analysis.report import ReportConfig, report
 from moe_rl.commands.train import train
 
 
@@ -28,7 +28,7 @@ def sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_figures(monkeypatch):
-    monkeypatch.setattr(analysis.report, "write_figures", lambda data, folder: ([], []))
+    monkeypatch.setattr(moe_rl.analysis.report, "write_figures", lambda data, folder: ([], []))
 
 
 def test_a_readme_the_report_did_not_write_is_refused_and_kept(sweep, tmp_path):
@@ -73,7 +73,7 @@ def test_two_reports_into_one_folder_at_once_leave_one_whole_report(sweep, tmp_p
             report(ReportConfig(str(sweep), out=str(out), group_by=("seed",)))
         return [], []
 
-    monkeypatch.setattr(analysis.report, "write_figures", figures_then_another_report)
+    monkeypatch.setattr(moe_rl.analysis.report, "write_figures", figures_then_another_report)
     report(ReportConfig(str(sweep), out=str(out), group_by=("optim.lr",)))
     readme = (out / "README.md").read_text()
     groups = set(pd.read_csv(out / "tables" / "runs.csv")["group"])

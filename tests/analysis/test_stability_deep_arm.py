@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.stability import critical_values, kl_matched, stability_cells
+from moe_rl.analysis.stability import critical_values, kl_matched, stability_cells
 
 FIXED = {"optim.lr": 5e-5, "minibatches": 4}
 
@@ -17,7 +17,7 @@ def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_st
     """`--arg n_layers=8 terms=8 warm_start_terms=7` plans the runs the fifth sitting made with `--set` (8-term RL
     problems with room for the answer, a warm start on 4-7-term sums), down to the warm start's key, the name
     results/stability/deep8_* carry."""
-    from experiments.stability import stability
+    from moe_rl.experiments.stability import stability
     from moe_rl.sweep.command import plan_sweep
 
     arguments = {"axes": "lr", "n_layers": 8, "methods": "grpo"}
@@ -46,7 +46,7 @@ def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, prob
     committed cells and Holm p-values follow from the per-run rows, and no pair is a rescue or "better"."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     frame, repeats = pooled_frame([root / cell, root / probe])
@@ -66,7 +66,7 @@ def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, prob
 
 
 def test_the_deep_arms_arguments_name_themselves_when_out_of_range():
-    from experiments.stability import stability
+    from moe_rl.experiments.stability import stability
     from moe_rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="terms=1 must be 0"):
@@ -82,7 +82,7 @@ def test_the_deep_arms_60_step_regime_test_continues_the_30_step_runs_and_misses
     below the criterion's 0.05, so issue 26's item 1 is not met there; greedy beats its baseline."""
     from pathlib import Path
 
-    from analysis.baseline import against_baseline
+    from moe_rl.analysis.baseline import against_baseline
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     short = pd.read_csv(root / "deep8_8terms" / "tables" / "per_run_eval.csv")
@@ -111,7 +111,7 @@ def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_r
     Holm; and the 2e-4 cell read alone (deep8_8terms_cell5_2e-4, Holm over its own 5 pairs) has 5 seeds per method."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     sources = ["deep8_8terms_cell", "deep8_8terms_probe", "deep8_8terms_cell_s3", "deep8_8terms_cell_s4"]
@@ -153,7 +153,7 @@ def test_the_replication_on_another_cpu_is_recomputed_from_its_per_run_tables():
     method can be a rescue; GSPO's paired gain at T = 1 has an unadjusted p below 0.05 but not after Holm."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "deep8_8terms_lr4_zen4"
     frame, repeats = pooled_frame([folder])
@@ -183,7 +183,7 @@ def test_the_second_lr_on_that_warm_start_is_recomputed_and_its_rescue_is_gspos_
     equivalent to native GRPO within +-0.03 (TOST): no sentence that credits replay may be written."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "deep8_8terms_zen4"
     tables = folder / "tables"
@@ -245,7 +245,7 @@ def _pooled_map_matches_its_tables(folders: list[str], out: str, expect_repeats:
     p-values must equal the committed tables of results/stability/<out>. Returns (cells, paired)."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     frame, repeats = pooled_frame([root / folder for folder in folders])
@@ -269,7 +269,7 @@ def test_gspo_at_twice_the_lr_declines_and_its_edge_at_matched_kl_is_undecided()
     fixed rule's "undecided"), and the 8e-4 rescue (Holm over 7) stands as a rescue at equal lr."""
     from pathlib import Path
 
-    from analysis.stability import kl_matched, pooled_frame
+    from moe_rl.analysis.stability import kl_matched, pooled_frame
 
     folders = ["deep8_8terms_zen4_i", "deep8_8terms_zen4", "deep8_8terms_zen4_r2", "deep8_8terms_zen4_h"]
     cells, paired = _pooled_map_matches_its_tables(folders, "deep8_8terms_zen4_i", 1)

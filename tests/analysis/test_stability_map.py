@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.stability import (
+from moe_rl.analysis.stability import (
     critical_values,
     fig_stability_map,
     kl_matched,
@@ -20,7 +20,7 @@ from analysis.stability import (
     stability_cells,
     with_methods,
 )
-from analysis.stability_text import stability_markdown
+from moe_rl.analysis.stability_text import stability_markdown
 
 FIXED = {"optim.lr": 5e-5, "minibatches": 4}
 
@@ -142,8 +142,8 @@ def _paired_frame() -> pd.DataFrame:
 
 
 def test_paired_cells_remove_the_shared_seed_effect_and_call_rescues_and_equivalence():
-    from analysis.stability import paired_cells
-    from analysis.stats import holm, paired_t, tost_p
+    from moe_rl.analysis.stability import paired_cells
+    from moe_rl.analysis.stats import holm, paired_t, tost_p
 
     frame = _paired_frame()
     paired = paired_cells(frame, {"optim.lr": 5e-5, "minibatches": 4})
@@ -166,7 +166,7 @@ def test_paired_cells_remove_the_shared_seed_effect_and_call_rescues_and_equival
 
 
 def test_a_pair_without_enough_seeds_is_untested_and_noise_is_undecided():
-    from analysis.stability import paired_cells
+    from moe_rl.analysis.stability import paired_cells
 
     frame = _paired_frame()
     frame = frame[~((frame["method"] == "grpo R3") & (frame["seed"] > 0))]  # R3 has one seed left
@@ -182,7 +182,7 @@ def test_a_pair_without_enough_seeds_is_untested_and_noise_is_undecided():
 def test_two_seeds_whose_differences_coincide_give_no_verdict():
     """Two seeds with the same paired difference (discrete accuracies make it likely) have sd 0, which the paired t
     reads as p ~ 0; a verdict needs 3 seeds, so the pair reads "too few seeds", and a third seed makes it a test."""
-    from analysis.stability import paired_cells
+    from moe_rl.analysis.stability import paired_cells
 
     def frame(starts):
         return pd.DataFrame([{"method": method, "optim.lr": 2e-4, "minibatches": minibatches, "seed": seed,
@@ -199,8 +199,8 @@ def test_two_seeds_whose_differences_coincide_give_no_verdict():
 
 
 def test_the_minimum_detectable_difference_uses_the_pooled_sd_of_the_differences():
-    from analysis.stability import paired_mdd
-    from analysis.stats import mdd_paired
+    from moe_rl.analysis.stability import paired_mdd
+    from moe_rl.analysis.stats import mdd_paired
 
     frame = _paired_frame()
     mdd = paired_mdd(frame, {"optim.lr": 5e-5, "minibatches": 4}).set_index(["axis", "endpoint"])
@@ -222,7 +222,7 @@ def test_the_greedy_endpoint_is_read_like_the_sampled_one():
 
 
 def test_method_fields_come_from_the_run_configs_when_the_report_left_them_out():
-    from analysis.stability import with_configs
+    from moe_rl.analysis.stability import with_configs
 
     per_run = pd.DataFrame({"run": ["a", "b"], "seed": [0, 0], "routing_mode": ["native", "native"]})
     runs = pd.DataFrame({"run": ["b", "a"], "routing_mode": ["native", "native"], "objective.name": ["grpo", "grpo"],
@@ -250,7 +250,7 @@ def test_only_results_count_and_a_diverged_run_declines_to_zero():
 
 
 def test_the_shared_cell_of_two_sweeps_counts_once_and_a_differing_repeat_is_refused():
-    from analysis.stability import drop_repeats
+    from moe_rl.analysis.stability import drop_repeats
 
     frame = pd.DataFrame({"method": ["grpo native"] * 3, "optim.lr": [5e-5, 5e-5, 1e-4], "minibatches": [4, 4, 4],
                           "seed": [0, 0, 0], "change": [0.05, 0.05, 0.02], "run": ["lr/a", "staleness/a", "lr/b"]})
@@ -264,7 +264,7 @@ def test_the_shared_cell_of_two_sweeps_counts_once_and_a_differing_repeat_is_ref
 
 
 def test_the_change_against_step_figure_has_a_point_per_run_on_both_panels():
-    from analysis.stability import fig_change_vs_step
+    from moe_rl.analysis.stability import fig_change_vs_step
 
     per_run, per_eval = _synthetic({"grpo native": 1.0, "grpo R2": 0.25}, seeds=2)
     per_run["set_change"] = per_run["kl_median"] * 10
@@ -276,7 +276,7 @@ def test_the_change_against_step_figure_has_a_point_per_run_on_both_panels():
 
 
 def test_the_confirmatory_table_uses_only_the_given_seeds():
-    from analysis.stability import paired_cells, paired_mdd
+    from moe_rl.analysis.stability import paired_cells, paired_mdd
 
     frame = _paired_frame()
     frame["declined"], frame["kl_median"] = 0.0, 1e-3
@@ -321,7 +321,7 @@ def _report_folder(root, name: str, runs: list[tuple[str, int, float]]):
 
 
 def test_sittings_pool_by_folder_a_repeat_counts_once_and_a_differing_one_is_refused(tmp_path):
-    from analysis.stability import pooled_frame
+    from moe_rl.analysis.stability import pooled_frame
     from moe_rl.errors import DataError
 
     first = _report_folder(tmp_path, "lr_1", [("runs/a", 0, 0.2), ("runs/b", 1, 0.3)])
@@ -347,7 +347,7 @@ def test_the_committed_map_is_recomputed_from_its_per_run_tables():
     committed per-run rows alone."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "lr_1"
     tables = folder / "tables"
@@ -368,7 +368,7 @@ def test_the_staleness_map_is_recomputed_from_its_per_run_tables():
     follow from its committed per-run rows alone."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "staleness_1"
     tables, fixed = folder / "tables", {"optim.lr": 2e-4, "minibatches": 4}
@@ -392,7 +392,7 @@ def test_the_pooled_staleness_axis_is_recomputed_from_both_sittings_tables():
     pooled_frame raises). Every cell has 3 seeds."""
     from pathlib import Path
 
-    from analysis.stability import paired_cells, pooled_frame
+    from moe_rl.analysis.stability import paired_cells, pooled_frame
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
@@ -421,7 +421,7 @@ def test_the_pooled_map_is_recomputed_from_the_sittings_tables():
     2.5e-5; the tenth and eleventh (lr_5) gave the frontier cells, 8e-4 and 1.6e-3, 5 seeds."""
     from pathlib import Path
 
-    from analysis.stability import critical_values, pooled_frame
+    from moe_rl.analysis.stability import critical_values, pooled_frame
 
     root = Path(__file__).resolve().parents[2] / "results" / "stability"
     frame, repeats = pooled_frame([root / f"lr_{sitting}" for sitting in (1, 2, 3, 4, 5)])
@@ -465,7 +465,7 @@ def test_a_folder_of_one_cell_off_the_fixed_point_is_read_as_that_cell_of_its_ax
     """A sitting of one lr (4e-4, at the fixed 4 minibatches) analysed on its own is one cell of the lr axis, paired
     and Holm-adjusted within it; a folder of the fixed point's own cell (lr 5e-5, 4 minibatches) lies on both axes
     and is read as neither; a folder with a swept axis reads that axis alone, as before."""
-    from analysis.stability import paired_cells, swept_axes
+    from moe_rl.analysis.stability import paired_cells, swept_axes
 
     per_run, per_eval = _synthetic({"grpo native": 1.0, "grpo R2": 0.25, "grpo R3": 0.5})
     frame = with_methods(per_run, per_eval)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis.stats import (
+from moe_rl.analysis.stats import (
     cluster_bootstrap,
     cluster_bootstrap_ci,
     cluster_resamples,

@@ -300,7 +300,7 @@ def test_prompts_per_step_must_split_evenly_over_the_ranks(tmp_path):
 @pytest.mark.slow
 def test_torchrun_runs_the_smoke_experiment_from_its_config_file(tmp_path):
     """The smoke experiment's first run, saved as JSON, launched on two gloo ranks through --config-file."""
-    from experiments.smoke import smoke
+    from moe_rl.experiments.smoke import smoke
     from moe_rl.rl.overrides import with_overrides
     from moe_rl.runs.runlog import config_to_dict
 

@@ -172,7 +172,7 @@ def test_sigkill_mid_training_leaves_readable_metrics_and_a_running_manifest(tmp
     assert len(lines) >= 6
     assert [line["update"] for line in lines] == list(range(len(lines)))
     assert read_manifest(tmp_path / "run")["status"] == "running"
-    from analysis import load_runs  # the loaders behind every figure accept the killed run too
+    from moe_rl.analysis import load_runs  # the loaders behind every figure accept the killed run too
 
     data = load_runs(tmp_path / "run")
     assert data.runs["status"].tolist() == ["running"] and len(data.metrics) == len(lines)

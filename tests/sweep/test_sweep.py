@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import metric_lines, tiny_train_config
 
-from experiments import get_experiment
+from moe_rl.experiments import get_experiment
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.rl.overrides import coerce, from_dict, with_overrides
@@ -278,7 +278,7 @@ def test_a_repeated_arg_adds_to_the_others_and_a_key_given_twice_is_refused(tmp_
     out = moe_rl("sweep", "stability", "--dry-run", "--arg", "axes=lr", "--arg", "methods=grpo,grpo+R2", "seeds=1",
                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    # 2 methods x the 7 learning rates of experiments.stability.LRS x 1 seed
+    # 2 methods x the 7 learning rates of moe_rl.experiments.stability.LRS x 1 seed
     assert "arguments: axes=lr methods=grpo,grpo+R2 seeds=1" in out.stdout and "runs (14): 14 start" in out.stdout
     assert "swept minibatches: 4\n" in out.stdout  # the lr axis only
     out = moe_rl("sweep", "stability", "--dry-run", "--arg", "seeds=3", "--arg", "seeds=5", cwd=tmp_path)
