@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # The CPU wheel; an unpinned torch would pull a CUDA build of several GB.
 TORCH  := torch==2.13.0
-# Small tensors are far faster on one thread on these machines (see README, "Threads").
+# Small tensors are far faster on one thread on these machines (docs/performance.md, "Threads").
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 

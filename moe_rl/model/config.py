@@ -27,7 +27,7 @@ class ModelConfig:
 
     backend: Backend = "native"
     """native: moe-rl's own MoE transformer. hf: a Hugging Face transformers MoE causal LM (set hf_config or
-    hf_path), with every router brought under the same routing contract (README, "Bring your own MoE")."""
+    hf_path), with every router brought under the same routing contract (docs/models.md)."""
     hf_config: HFFamily | None = None
     """With backend hf: a tiny random model of this family (qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3,
     gpt_oss), sized by the fields below (d_model, n_layers, n_heads, n_kv_heads, n_experts, top_k, d_expert,

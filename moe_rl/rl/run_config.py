@@ -166,7 +166,7 @@ class TrainConfig:
     device: Device = "auto"
     """auto (cuda if available), cpu or cuda. On cuda the model runs under bf16 autocast; on cpu in fp32."""
     threads: int = 1
-    """torch CPU threads; 1 is fastest for tiny models on small machines (README, "Threads")."""
+    """torch CPU threads; 1 is fastest for tiny models on small machines (docs/performance.md, "Threads")."""
     parallel: Literal["ddp", "fsdp2"] = "ddp"
     """Under torchrun: 'ddp' replicates the model on every rank; 'fsdp2' shards parameters, gradients and optimizer
     state over the ranks (fully_shard per decoder block). No effect in a single process."""
