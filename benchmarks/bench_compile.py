@@ -1,4 +1,5 @@
-"""torch.compile (Inductor, CPU) against the C kernels and against plain torch, on the shapes an RL run sees (one thread).
+"""torch.compile (Inductor, CPU) against the C kernels and against plain torch, on the shapes an RL run sees
+(one thread).
 
 Three arms, interleaved in one process (benchmarks.timing.interleaved: A B C, C B A, ...), medians of wall and CPU time:
 'plain torch' (every kernel family off, what MOE_RL_NATIVE=0 runs), 'C kernels' (the families this machine's
@@ -16,9 +17,10 @@ length need not recompile; the first call's time is the compile a run pays). Thr
    old pass, updates and probes all call it).
 
 Per workload the table gives each arm's steady-state median, the compiled arm's first-call time less its steady
-time (the compile, in CPU seconds of this process and of the C++ compiler Inductor runs), the break-even number of steps (compile / time saved per step against each other arm), what
-Dynamo did (frames compiled, recompiles, graph breaks) and whether the compiled arm's numbers are plain torch's bits
-(`torch.equal` on logits and gradients; sampled tokens and log-probs for the sampler).
+time (the compile, in CPU seconds of this process and of the C++ compiler Inductor runs), the break-even number of steps
+(compile / time saved per step against each other arm), what Dynamo did (frames compiled, recompiles, graph breaks) and
+whether the compiled arm's numbers are plain torch's bits (`torch.equal` on logits and gradients; sampled tokens and
+log-probs for the sampler).
 
 What it simplifies: random weights and tokens, as bench_model; CPU only. `torch._grouped_mm` (the experts' products
 of the plain-torch model) has no CPU meta function for fp32 in this torch, so Dynamo cannot trace it: it is marked
@@ -191,7 +193,8 @@ def same_bits_fwd_bwd(plain, compiled, ids) -> dict:
         logits_a, grads_a = logits_and_grads(plain, ids)
         logits_b, grads_b = logits_and_grads(compiled, ids)
     same = torch.equal(logits_a, logits_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-    diff = max([(logits_a - logits_b).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(grads_a, grads_b)])
+    diff = max([(logits_a - logits_b).abs().max().item()]
+               + [(a - b).abs().max().item() for a, b in zip(grads_a, grads_b)])
     return {"bit-identical": "yes" if same else "no", "max abs diff": diff}
 
 
@@ -230,14 +233,16 @@ def bench_sampler(name: str, repeat: int, events: DynamoEvents, batch=64, prompt
     sampling = SamplingConfig(max_new_tokens=new_tokens)
 
     def sample(m):  # EOS id -1 never occurs: every row runs the full length
-        return lambda: generate(m, ids, valid, sampling, eos_id=-1, pad_id=0, generator=torch.Generator().manual_seed(0))
+        return lambda: generate(m, ids, valid, sampling, eos_id=-1, pad_id=0,
+                                generator=torch.Generator().manual_seed(0))
 
     dynamo: dict = {}
     times = three_arms(sample(model), sample(model), sample(compiled), repeat, events, dynamo)
     with no_kernels():
         a, b = sample(model)(), sample(compiled)()
     same = torch.equal(a.tokens_BS, b.tokens_BS) and torch.equal(a.logprobs_BN, b.logprobs_BN)
-    bits = {"bit-identical": "yes" if same else f"no (tokens {'equal' if torch.equal(a.tokens_BS, b.tokens_BS) else 'differ'})",
+    tokens = "equal" if torch.equal(a.tokens_BS, b.tokens_BS) else "differ"
+    bits = {"bit-identical": "yes" if same else f"no (tokens {tokens})",
             "max abs diff": (a.logprobs_BN - b.logprobs_BN).abs().max().item()}
     return rows_of("sampler decode", name, f"{batch}x({prompt_len}+{new_tokens})", new_tokens, times, dynamo, bits)
 
@@ -335,11 +340,11 @@ def markdown(rows: list[dict], command: str, load: dict, commit: str) -> str:
         (f"Machine: {platform.machine()}, {cpu_line()}; {torch.get_num_threads()} torch thread, torch "
          f"{torch.__version__}, CPU class {cpu_class()}.  "),
         f"Load average (1, 5, 15 min): at start {load['start']}, at end {load['end']}.", "",
-        ("Arms interleaved; medians of CPU (process) time per call, wall in brackets. 'plain torch': every kernel family "
-        "off; 'C kernels': the families this machine's measurement chose (below); 'compiled': torch.compile(model.forward, "
-        "dynamic=True), Inductor CPU, kernel families off inside it, torch._grouped_mm left eager. 'compile' is the "
-        "compiled arm's first call less its steady call (CPU seconds of this process and of the C++ compiler it runs; "
-        "a cold Inductor cache); 'break-even' is how many "
+        ("Arms interleaved; medians of CPU (process) time per call, wall in brackets. 'plain torch': every kernel "
+        "family off; 'C kernels': the families this machine's measurement chose (below); 'compiled': "
+        "torch.compile(model.forward, dynamic=True), Inductor CPU, kernel families off inside it, torch._grouped_mm "
+        "left eager. 'compile' is the compiled arm's first call less its steady call (CPU seconds of this process and "
+        "of the C++ compiler it runs; a cold Inductor cache); 'break-even' is how many "
         "steps (minibatch forward+backward, decode steps, RL steps) the compile takes to pay back against each arm."),
         "", *kernels_lines(), "",
         ("| workload | shape | tokens per call | plain torch | C kernels | compiled | compiled / C kernels (CPU) "
@@ -352,16 +357,18 @@ def markdown(rows: list[dict], command: str, load: dict, commit: str) -> str:
         c = pick["compiled"]
         c_steps = c["steps per call"]
         lines.append(
-            f"| {c['workload']} | {c['shape']} | {c['tokens']} | {cell(pick, 'plain torch')} | {cell(pick, 'C kernels')} "
+            f"| {c['workload']} | {c['shape']} | {c['tokens']} | {cell(pick, 'plain torch')} "
+            f"| {cell(pick, 'C kernels')} "
             f"| {cell(pick, 'compiled')} | {c['cpu'] / pick['C kernels']['cpu']:.2f}x | {c['compile cpu']:.1f} s "
             f"({c['compile wall']:.1f} s wall) | {steps_text(c['break-even calls vs plain torch'], c_steps)} / "
             f"{steps_text(c['break-even calls vs C kernels'], c_steps)} | {c['frames compiled']} | {c['recompiles']} "
             f"| {c['graph breaks']} | {c['bit-identical']} | {c['max abs diff']:.3g} |")
     reasons = [f"- {r['workload']}, {r['shape']}: {r['recompile reasons']}" for r in rows if r.get("recompile reasons")]
     if reasons:
-        lines += ["", "Recompiles by function and what changed (the first failing guard of each), with their counts:", "",
-              *reasons]
-    hits = [f"{r['workload']}, {r['shape']}: {r['recompile limit hits']}" for r in rows if r.get("recompile limit hits")]
+        lines += ["", "Recompiles by function and what changed (the first failing guard of each), with their counts:",
+                  "", *reasons]
+    hits = [f"{r['workload']}, {r['shape']}: {r['recompile limit hits']}"
+            for r in rows if r.get("recompile limit hits")]
     if hits:
         lines += ["", "Frames that reached Dynamo's recompile limit and run eagerly from then on: " + "; ".join(hits)]
     return "\n".join(lines) + "\n"
@@ -373,7 +380,8 @@ def load_average() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the smallest shape, fewer repeats, 16 new tokens, no RL step")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest shape, fewer repeats, 16 new tokens, no RL step")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved calls per arm (forward+backward, sampler)")
     parser.add_argument("--batches", type=int, default=6, help="minibatch shapes per forward+backward pass")
     parser.add_argument("--steps", type=int, default=2, help="measured RL steps per arm, after one first step each")
@@ -402,7 +410,8 @@ def main() -> None:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
         events = set_up_dynamo(cache_dir)
-        for i, workload in enumerate(workloads):  # the files are rewritten after each: a long run leaves what it measured
+        # the files are rewritten after each: a long run leaves what it measured
+        for i, workload in enumerate(workloads):
             fresh_compiler(Path(cache_dir) / str(i))
             rows += workload()
             load["end"] = load_average()

@@ -95,8 +95,10 @@ def bench_fwd_bwd(name: str, repeat: int) -> list[dict]:
     native = MoETransformer(cfg, kernels=kernels.machine())
     loop = MoETransformer(ModelConfig(**{**kwargs, "dispatch": "loop"}), kernels=kernels.machine())
     loop.load_state_dict(native.state_dict())
-    times = interleaved({"native": native_step(native, ids), "native, no kernels": without_kernels(native_step(native, ids)),
-                         "native loop": native_step(loop, ids), "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
+    times = interleaved({"native": native_step(native, ids),
+                         "native, no kernels": without_kernels(native_step(native, ids)),
+                         "native loop": native_step(loop, ids),
+                         "HF Qwen3-MoE": hf_step(hf_qwen3_moe(cfg), ids)}, repeat)
     return [{"section": "fwd_bwd", "shape": name, "tokens": f"{batch}x{seq_len}", "contender": c, **t}
             for c, t in times.items()]
 
@@ -180,7 +182,7 @@ def markdown(rows: list[dict], command: str) -> str:
     ]
     for shape in SHAPES:
         pick = {r["contender"]: r for r in rows if r["section"] == "fwd_bwd" and r["shape"] == shape}
-        cell = lambda c: f"{pick[c]['wall'] * 1e3:.1f} ms ({pick[c]['cpu'] * 1e3:.1f} CPU)"
+        cell = lambda c, pick=pick: f"{pick[c]['wall'] * 1e3:.1f} ms ({pick[c]['cpu'] * 1e3:.1f} CPU)"
         hf_over_native = {key: _ratio(rows, "fwd_bwd", shape, "native", "HF Qwen3-MoE", key) for key in ("wall", "cpu")}
         plain = _ratio(rows, "fwd_bwd", shape, "native", "native, no kernels", "cpu")
         lines.append(f"| {shape} | {pick['native']['tokens']} | {cell('native')} | {cell('native, no kernels')} "

@@ -84,7 +84,7 @@ def time_products(libraries: dict, repeat: int) -> list[dict]:
                 operands = layer_operands(mode, d, f, slots, layers, generator)
                 flops = sum(2 * int(counts.sum()) * d * f for counts, *_ in operands)
 
-                def run(build):
+                def run(build, operands=operands, mode=mode, d=d, f=f):
                     def products():
                         with kernels_from(libraries[build]):
                             for counts_E, a, b, c in operands:
@@ -123,7 +123,7 @@ def time_sampler(libraries: dict, repeat: int) -> list[dict]:
     for layers in (LAYERS, 1):
         operands = sampler_operands(layers, generator)
 
-        def run(build):
+        def run(build, operands=operands):
             def experts():
                 with kernels_from(libraries[build]), torch.inference_mode():
                     for x_TD, weights_TK, slots, w_gate_up, w_down, out in operands:

@@ -65,7 +65,7 @@ def no_grad_forward(model, batch, record: bool):
 def interleaved_medians(fns: dict, repeat: int) -> dict[str, float]:
     """Median time of each function, run in alternating order (A B C, C B A, ...) so drift hits all alike."""
     times = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm up
+    for fn in fns.values():  # warm up
         fn()
     for rep in range(repeat):
         order = list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]

@@ -108,7 +108,8 @@ def markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         total = sum(r[p] for p in PHASES)
         cells = " | ".join(f"{r[p]:.3f} s" for p in PHASES)
-        lines.append(f"| {r['shape']} | {r['kernels']} | {r['probe rows']} | {cells} | {100 * r['probes'] / total:.0f}% "
+        lines.append(f"| {r['shape']} | {r['kernels']} | {r['probe rows']} | {cells} "
+                     f"| {100 * r['probes'] / total:.0f}% "
                      f"| {r['step wall']:.2f} s | {r['step CPU']:.2f} s |")
     return "\n".join(lines) + "\n"
 
@@ -124,7 +125,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = list(SHAPES)[:1] if args.quick else list(SHAPES)
-    variants = {("measured", "default (32 sequences)"): ProbeConfig(), ("none", "default (32 sequences)"): ProbeConfig(),
+    variants = {("measured", "default (32 sequences)"): ProbeConfig(),
+                ("none", "default (32 sequences)"): ProbeConfig(),
                 ("measured", "whole batch"): ProbeConfig(sequences=None)}
     rows = []
     for shape in shapes:

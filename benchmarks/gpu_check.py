@@ -5,8 +5,8 @@ others still run.
 1. bf16 training steps of `MoETransformer` at two bench shapes (benchmarks/bench_model.py), under the trainer's CUDA
    autocast (bf16, routers in fp32): the loss is finite, every parameter changes, milliseconds per step (AdamW
    included; CUDA events, median after warm-up).
-2. Replay exactness under bf16 autocast: routing recorded on a forward (`moe_rl.routing.replay.record_routing`) and replayed
-   (`replay_routing`) must give bit-identical logits and router gradients (`torch.equal`). Measured twice, with
+2. Replay exactness under bf16 autocast: routing recorded on a forward (`moe_rl.routing.replay.record_routing`) and
+   replayed (`replay_routing`) must give bit-identical logits and router gradients (`torch.equal`). Measured twice, with
    torch's default kernels and with `torch.use_deterministic_algorithms(True)` (strict; warn-only if some op has no
    deterministic kernel), each beside a second native pass (the floor: CUDA's atomic adds may reorder a sum between
    any two passes, replay or not). The verdict is the deterministic one; a replay of shifted ids must change the
@@ -27,9 +27,10 @@ others still run.
    (part 'hf_train').
 
 What it simplifies: random weights, tokens and routing (near-balanced at init); the RL step starts from a fresh model,
-so it times the machinery, not learning. With one GPU, torchrun starts one process, for which moe_rl.rl.distributed forms
-no process group and `--parallel fsdp2` would change nothing; the torchrun process then joins a group of one itself
-(`--fsdp2-worker`), so FSDP2 shards over one rank and its gathers, reduce-scatters and whole-state checkpoint run.
+so it times the machinery, not learning. With one GPU, torchrun starts one process, for which moe_rl.rl.distributed
+forms no process group and `--parallel fsdp2` would change nothing; the torchrun process then joins a group of one
+itself (`--fsdp2-worker`), so FSDP2 shards over one rank and its gathers, reduce-scatters and whole-state checkpoint
+run.
 
     python -m benchmarks.gpu_check                 # one GPU or many (parts 1-3, 5 on cuda:0; part 4 on every GPU)
     python -m benchmarks.gpu_check --quick         # smaller everything (8 blocks in part 5)

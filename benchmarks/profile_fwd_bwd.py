@@ -2,11 +2,11 @@
 
 bench_model times the two; this says why they differ (or do not): torch.profiler over a few steps of each, taking
 turns (after warm-up, one thread, the kernel families this machine's measurement chose), self CPU time per aten op
-and per moe-rl kernel Function, side by side. The profiler adds a few microseconds per op, so the totals run above bench_model's
-times, most for the model with more ops; read the shares and the op rows, not the totals, as the measurement.
-The kernel Functions that call the C kernels through ctypes read high under the profiler: at the paper shape (d64
-L48 E128 K8, a Zen 4) it put 5.0 ms per call on the grouped products' backward where timing the call gave 1.5 ms.
-At the d256 shape those calls are a small share; where they are not, time them directly.
+and per moe-rl kernel Function, side by side. The profiler adds a few microseconds per op, so the totals run above
+bench_model's times, most for the model with more ops; read the shares and the op rows, not the totals, as the
+measurement. The kernel Functions that call the C kernels through ctypes read high under the profiler: at the paper
+shape (d64 L48 E128 K8, a Zen 4) it put 5.0 ms per call on the grouped products' backward where timing the call gave 1.5
+ms. At the d256 shape those calls are a small share; where they are not, time them directly.
 
     python -m benchmarks.profile_fwd_bwd                          # the d256 bench shape
     python -m benchmarks.profile_fwd_bwd --shape "d64 L8 E128 K8 F32" --steps 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1) -> dict[str, dict[str, float]]:
@@ -45,7 +45,8 @@ def cpu_class() -> str:
     features, aten = set(cpu["features"]), cpu["aten_capability"].lower()
     if "avx512f" in features and aten.startswith("avx512") and cpu["kernels_isa"] == "avx512":
         return "avx512"
-    if "avx2" in features and aten in ("avx2", "avx512", "avx512_vnni", "avx512_bf16") and cpu["kernels_isa"] != "baseline":
+    wide_aten = aten in ("avx2", "avx512", "avx512_vnni", "avx512_bf16")
+    if "avx2" in features and wide_aten and cpu["kernels_isa"] != "baseline":
         return "avx2"
     return "baseline"
 
@@ -78,7 +79,8 @@ def kernels_lines() -> list[str]:
     cpu = report["cpu"]
     caps = ", ".join(f"{k}={v}" for k, v in cpu["caps"].items()) or "none"
     lines = [f"CPU: {cpu['model']} ({', '.join(cpu['features'])}); torch kernels {cpu['aten_capability']}, MKL "
-             f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels capped at {cpu['kernels_isa']} (the widest built version the CPU runs is picked at load); ISA caps: {caps}.", "",
+             f"{'yes' if cpu['mkl'] else 'no'}, moe-rl kernels capped at {cpu['kernels_isa']} (the widest built "
+             f"version the CPU runs is picked at load); ISA caps: {caps}.", "",
              "| kernel family | used | why |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if c['used'] else 'no'} | {c['why']} |" for name, c in report["families"].items()]
     busy = report["measurement"].get("busy_cores")

@@ -11,8 +11,8 @@ which group sizes round differently is a property of the CPU (on a 2-core AMD EP
 torch computes as a matrix-vector product; on an Intel Xeon with AVX-512 the one-row forward too), so
 `torch_group_sizes` finds them on this machine, once per product and shape, by comparing the batch call with torch's
 own product on every group size it checks, and those experts are computed by torch's product after the batch call.
-The result is torch._grouped_mm's numbers bit for bit, forward and backward (tests/kernels/test_grouped_gemm.py checks every
-group size from 0 to 129 against torch._grouped_mm and its autograd): switching kernels changes no sampled token,
+The result is torch._grouped_mm's numbers bit for bit, forward and backward (tests/kernels/test_grouped_gemm.py checks
+every group size from 0 to 129 against torch._grouped_mm and its autograd): switching kernels changes no sampled token,
 gradient or logged value. The call's per-expert argument arrays are filled by a C kernel (native_kernels.c,
 expert_sgemm), which makes the call cheap enough to pay off at any number of experts without autograd
 (MKL_MIN_EXPERTS_WITH_GRAD says where with it).
@@ -350,7 +350,7 @@ def _longest_agreeing_stretch(equal: list[bool], lowest: int, fused_from: int) -
     order changes with the group size (seen with MKL's AVX2 kernels on an Intel Xeon: agreement at 152-156 rows and
     at 224 rows and up, nowhere else), and then agreement at the checked sizes says nothing of those between them."""
     best, start = None, None
-    for index, (size, agreed) in enumerate(zip(_CHECKED_SIZES, equal)):
+    for size, agreed in zip(_CHECKED_SIZES, equal):
         if size < lowest or not agreed:
             start = None
             continue

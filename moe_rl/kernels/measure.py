@@ -7,12 +7,12 @@ by decode loops of two small models (batch 64, prompt 16, 24 new tokens; the dec
 context, so short contexts would flatter it).
 
 Times are this process's CPU seconds (time.process_time, one torch thread), so a loaded machine slows both
-contenders alike instead of whichever it preempts. Each contender runs in alternation with the other, several rounds (three for the long decode loops); a family is
-used where the geometric mean over its workloads of its median time over the reference's is at most FASTER_BY, or
-INEXACT_FASTER_BY for the two that change rounding (one heavy workload does not outvote the others, and a machine's
-drift cancels in each ratio), over the workloads the family serves at all (_served). The families that give the
-reference's bits are measured first; the sampler's two are then measured with those choices in force. A family that
-runs inside another (HOSTS) is timed inside it. About five seconds in all, once per machine.
+contenders alike instead of whichever it preempts. Each contender runs in alternation with the other, several rounds
+(three for the long decode loops); a family is used where the geometric mean over its workloads of its median time over
+the reference's is at most FASTER_BY, or INEXACT_FASTER_BY for the two that change rounding (one heavy workload does not
+outvote the others, and a machine's drift cancels in each ratio), over the workloads the family serves at all (_served).
+The families that give the reference's bits are measured first; the sampler's two are then measured with those choices
+in force. A family that runs inside another (HOSTS) is timed inside it. About five seconds in all, once per machine.
 
 The measurement leaves no trace in the run: it uses its own random generators inside torch.random.fork_rng (the
 global RNG state is restored), with autograd on and outside autocast and inference mode whatever the caller's
@@ -169,7 +169,11 @@ def _topk_workloads(kernels):
 def _slots_workloads(kernels):
     from moe_rl.model.moe import sort_slots
 
-    return [lambda ids=_routing(**shape)[1], e=shape["experts"]: sort_slots(ids, e, kernels=kernels) for shape in (PAPER, SMALL)]
+    work = []
+    for shape in (PAPER, SMALL):
+        ids = _routing(**shape)[1]
+        work.append(lambda ids=ids, e=shape["experts"]: sort_slots(ids, e, kernels=kernels))
+    return work
 
 
 def _rows_workloads(kernels):

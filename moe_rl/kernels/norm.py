@@ -11,8 +11,8 @@ rsqrt, add and mean, a few products per row) and leaves both reductions (the wei
 over each row) to torch's sum on the very tensors autograd would have reduced. Every value is one rounded product or
 sum in the order torch makes it (the C file is built without fused multiply-adds), and x's two gradients are handed
 back apart so that autograd adds them where the composite's are added: the composite's numbers bit for bit
-(tests/kernels/test_native_kernels.py, at four widths, with special values). Without autograd torch runs the same six ops
-with no graph to build (its `_fused_rms_norm` on CPU) and the reference runs: the output in C there measured no
+(tests/kernels/test_native_kernels.py, at four widths, with special values). Without autograd torch runs the same six
+ops with no graph to build (its `_fused_rms_norm` on CPU) and the reference runs: the output in C there measured no
 faster at 704 x 64 (31 against 32 us) and slower at a decode step's 64 rows (17 against 15 us).
 """
 

@@ -32,7 +32,8 @@ class KernelSet:
 
     def __init__(self, enabled: Callable[[str], bool]):
         self.enabled = enabled
-        self._bound: dict[str, tuple] = {}  # function name -> (its implementation, the same given this set where it asks)
+        # function name -> (its implementation, the same given this set where it asks)
+        self._bound: dict[str, tuple] = {}
 
     def implementation(self, op: str, family: str) -> Callable | None:
         fast = IMPLEMENTATIONS.get(op)

@@ -1,8 +1,8 @@
 """The fp32 sampler's experts in one C pass (native_kernels.c, sampler_experts): four slots of an expert per read of
 its weights, the next expert's prefetched, no buffers between the products. It agrees with the grouped path to fp32
-rounding (tests/kernels/test_native_kernels.py checks it against float64), not bit for bit, so it serves only the sampler in
-the trainer's precision: inference mode (which marks the sampler's passes; the trainer's no-grad passes run under
-no_grad), no autocast (the bf16 sampler), CPU fp32, model and expert widths that are multiples of 16.
+rounding (tests/kernels/test_native_kernels.py checks it against float64), not bit for bit, so it serves only the
+sampler in the trainer's precision: inference mode (which marks the sampler's passes; the trainer's no-grad passes run
+under no_grad), no autocast (the bf16 sampler), CPU fp32, model and expert widths that are multiples of 16.
 
 Its arithmetic is 16-lane vectors, the products tiled to fit the registers: 16-float accumulators on AVX-512, pairs
 of 8-float ones on AVX2 and the baseline (the 16-float tiling spilled AVX2's 16 registers and ran 3.7-5.3x slower

@@ -48,7 +48,8 @@ FAMILIES = {
     "slots": "token-slots sorted by expert (C counting sort; torch's stable argsort)",
     "rows": "the experts' input rows gathered and their outputs summed (C copies and sums; the torch index ops' bits)",
     "mkl_products": "the experts' grouped products as MKL batch calls (torch._grouped_mm's and bmm's bits)",
-    "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; torch's bits, checked at load)",
+    "exact_products": "grouped products as a C loop in MKL's summation order (AVX-512 or AVX2; torch's bits, "
+                      "checked at load)",
     "swiglu": "the experts' silu(gate) * up (times the gate weights where they scale the down product's input), "
               "one C pass each way (torch's bits, checked at first use)",
     "rotary": "the rotary embedding, forward and backward (C; the torch ops' bits)",

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moe_rl.errors import ConfigError, check_positive
+from moe_rl.objectives.registry import get_objective
 
 # The built-in objectives, so that --help lists them; tests/commands/test_cli_errors.py checks this equals the registry.
 ObjectiveName = Literal["grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gmpo"]
-from moe_rl.objectives.registry import get_objective
 
 
 @dataclass

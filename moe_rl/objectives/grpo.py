@@ -1,6 +1,7 @@
 """GRPO: token-level PPO-clipped surrogate, mean over each sequence's tokens, then over sequences.
 
-Shao et al., "DeepSeekMath", arXiv 2402.03300, eq. 3 (the GRPO objective; here with KL coefficient 0, docs/design.md section 6):
+Shao et al., "DeepSeekMath", arXiv 2402.03300, eq. 3 (the GRPO objective; here with KL coefficient 0, docs/design.md
+section 6):
 
     w_it = pi_theta(y_it) / pi_old(y_it)
     L = (1/B) sum_i (1/|y_i|) sum_t -min(w_it A_i, clip(w_it, 1-e_lo, 1+e_hi) A_i)

@@ -43,7 +43,8 @@ class ObjectiveSpec:
     loss_denominator: str
     summary: str
 
-    def __call__(self, logp_BT, old_logp_BT, advantages, mask_BT, cfg: Any) -> Any:  # cfg: objectives.config.ObjectiveConfig
+    # cfg: objectives.config.ObjectiveConfig
+    def __call__(self, logp_BT, old_logp_BT, advantages, mask_BT, cfg: Any) -> Any:
         return self.fn(logp_BT, old_logp_BT, advantages, mask_BT, cfg)
 
 

@@ -204,8 +204,8 @@ def _read_pt(path: Path) -> list[EngineRequest]:
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     foreign = [name for name in needed if not name.startswith("numpy.")]
     if foreign:
-        raise DataError(f"{path} holds objects other than tensors, numpy arrays and plain data ({', '.join(foreign[:3])})"
-                        "; it is not loaded")
+        raise DataError(f"{path} holds objects other than tensors, numpy arrays and plain data "
+                        f"({', '.join(foreign[:3])}); it is not loaded")
     allowed = [_global(name) for name in needed if name in NUMPY_GLOBALS]
     allowed += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]  # not listed in `needed`
     try:

@@ -229,7 +229,8 @@ def _restore_cuda(states: list[torch.Tensor] | None) -> None:
     if states is None:
         return
     if not torch.cuda.is_available():
-        warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available here; they are not restored")
+        warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available here; they are not restored",
+                      stacklevel=2)
         return
     for index in range(min(len(states), torch.cuda.device_count())):
         torch.cuda.set_rng_state(states[index].cpu(), device=index)

@@ -217,11 +217,11 @@ def _find_seed(config: Mapping[str, Any]) -> Any:
 class RunDir:
     """One run's directory. Creating it starts the run (or, with resume=True, continues it) and marks it running.
 
-    manifest.json holds: name, status (running | finished | diverged | failed | interrupted), reason, started_at, ended_at (UTC ISO),
-    seed, host, device, world_size (data-parallel ranks), command (sys.argv), git {sha, dirty}, packages
-    {name: version}, interrupted {signal, at_step, resumes_from_step} while the status is interrupted, inputs {name:
-    {what, sha256}} (the task data), checkpoints {file name: {step, sha256, metrics {lines, last_step, sha256}}}, and
-    resumes: one entry per resume with its time, host, device, world size, command, git, the config changes it made
+    manifest.json holds: name, status (running | finished | diverged | failed | interrupted), reason, started_at,
+    ended_at (UTC ISO), seed, host, device, world_size (data-parallel ranks), command (sys.argv), git {sha, dirty},
+    packages {name: version}, interrupted {signal, at_step, resumes_from_step} while the status is interrupted, inputs
+    {name: {what, sha256}} (the task data), checkpoints {file name: {step, sha256, metrics {lines, last_step, sha256}}},
+    and resumes: one entry per resume with its time, host, device, world size, command, git, the config changes it made
     ({key: [old, new]}), how the run had ended before it (previous) and the checkpoint it continued from (from).
 
     Use it as a context manager to mark the run failed on an exception and finished on a normal exit. Only one
@@ -301,7 +301,8 @@ class RunDir:
         remove_stale_temp_files(self.path)  # the process that left them is dead: we are resuming its run
         self._make_folders()
         atomic_write_text(self.config_path, json.dumps(self.config, indent=2) + "\n")
-        previous = {key: manifest.get(key) for key in ("status", "reason", "ended_at", "interrupted") if key in manifest}
+        previous = {key: manifest.get(key)
+                    for key in ("status", "reason", "ended_at", "interrupted") if key in manifest}
         entry = {"at": utc_now(), **environment(device), "changed": {k: list(v) for k, v in changed.items()},
                  "previous": previous}
         manifest.setdefault("resumes", []).append(entry)

@@ -28,7 +28,8 @@ def _assert_gradients_match_torch(counts_E, x_ND, w_EDF, ends_E):
     """grouped_mm and torch._grouped_mm give the same output and the same gradients of x and w, bit for bit."""
     upstream_NF = torch.randn(x_ND.shape[0], w_EDF.shape[2])
     results = []
-    for product in (lambda x, w: grouped_mm(x, w, counts_E, kernels=KERNELS), lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
+    for product in (lambda x, w: grouped_mm(x, w, counts_E, kernels=KERNELS),
+                    lambda x, w: torch._grouped_mm(x, w, offs=ends_E)):
         x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
         y = product(x, w)
         y.backward(upstream_NF)

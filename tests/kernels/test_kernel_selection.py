@@ -49,7 +49,8 @@ def test_the_first_use_measures_writes_the_choice_and_leaves_the_rng_alone(fresh
         if choice["why"].startswith("measured"):
             assert len(choice["fast_s"]) == len(choice["reference_s"]) > 0
     selection.reset()
-    monkeypatch.setattr(selection, "measure_all", lambda forced, kernels: pytest.fail("measured again despite the cache"))
+    monkeypatch.setattr(selection, "measure_all",
+                        lambda forced, kernels: pytest.fail("measured again despite the cache"))
     monkeypatch.setattr(selection, "machine_idle", lambda: False)  # were the suite's load to make it provisional
     assert selection.choices() == chosen
 
@@ -143,7 +144,8 @@ def test_a_family_is_used_only_where_it_beats_torch(ratio, inexact, used, monkey
 def test_a_hosted_family_is_timed_inside_its_host_and_is_off_where_its_host_is(monkeypatch):
     """The C loop of the expert products runs only inside MKL's batch path: it is timed with MKL on in both arms,
     before MKL, which is then timed with the loop's choice in force; if MKL loses, the loop is off too."""
-    plans = {"exact_products": (lambda: None, lambda kernels: [None]), "mkl_products": (lambda: None, lambda kernels: [None])}
+    plans = {"exact_products": (lambda: None, lambda kernels: [None]),
+             "mkl_products": (lambda: None, lambda kernels: [None])}
     monkeypatch.setattr(measure, "_PLANS", plans)
     monkeypatch.setattr(measure, "_served", lambda forced, family, work, others: True)
     seen = {}

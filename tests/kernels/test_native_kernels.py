@@ -140,7 +140,8 @@ def _routed_slots(tokens: int, experts: int, k: int, seed: int = 0):
     scores_TE = torch.randn(tokens, experts, generator=g).softmax(-1)
     scores_TE[: tokens // 3, 0] += 1.0  # one crowded expert, several idle ones
     ids_TK = scores_TE.topk(k, dim=-1).indices
-    return torch.randn(tokens, 24, generator=g), scores_TE.gather(-1, ids_TK), sort_slots(ids_TK, experts, kernels=KERNELS)
+    return (torch.randn(tokens, 24, generator=g), scores_TE.gather(-1, ids_TK),
+            sort_slots(ids_TK, experts, kernels=KERNELS))
 
 
 @needs_native
@@ -392,8 +393,9 @@ def _decode_inputs(B, H, G, Dh, P, max_len, seed=0):
 
 
 @needs_native
-@pytest.mark.parametrize("B, H, G, Dh, P, max_len", [(64, 4, 2, 16, 48, 80), (5, 4, 2, 16, 17, 17), (3, 8, 2, 32, 16, 16),
-                                                     (4, 4, 4, 64, 100, 130), (2, 6, 1, 16, 1, 5), (7, 4, 2, 48, 33, 40)])
+@pytest.mark.parametrize("B, H, G, Dh, P, max_len", [(64, 4, 2, 16, 48, 80), (5, 4, 2, 16, 17, 17),
+                                                     (3, 8, 2, 32, 16, 16), (4, 4, 4, 64, 100, 130),
+                                                     (2, 6, 1, 16, 1, 5), (7, 4, 2, 48, 33, 40)])
 @pytest.mark.parametrize("masked", [True, False])
 def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, max_len, masked, monkeypatch):
     """Positions on both sides of the 16-lane blocks, grouped and plain heads, head dims 16 to 64, padding rows and a
@@ -404,7 +406,8 @@ def test_decode_attention_kernel_agrees_with_torch_to_rounding(B, H, G, Dh, P, m
     with torch.inference_mode():
         ours = layers.decode_attention(q_BH1Dh, kt_BGPDh, vt_BGPDh, mask_B11P, kernels=KERNELS)
         torchs = layers.decode_attention(q_BH1Dh, k_BGPDh, v_BGPDh, mask_B11P, kernels=KERNELS)
-        exact = layers.decode_attention(q_BH1Dh.double(), k_BGPDh.double(), v_BGPDh.double(), mask_B11P, kernels=KERNELS)
+        exact = layers.decode_attention(q_BH1Dh.double(), k_BGPDh.double(), v_BGPDh.double(), mask_B11P,
+                                        kernels=KERNELS)
     assert calls == [1], "the transposed cache must go to the kernel, the plain one to torch"
     torch_error = (torchs.double() - exact).abs().max().item()
     our_error = (ours.double() - exact).abs().max().item()

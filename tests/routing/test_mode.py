@@ -15,7 +15,8 @@ def _trace(tag: int) -> RoutingTrace:
     return RoutingTrace(torch.full((1, 2, 3, 2), tag, dtype=torch.int16))
 
 
-@pytest.mark.parametrize("name, old_pass, update", [("native", None, None), ("R2", None, "old"), ("R3", "sampler", "sampler")])
+@pytest.mark.parametrize("name, old_pass, update",
+                         [("native", None, None), ("R2", None, "old"), ("R3", "sampler", "sampler")])
 def test_each_mode_says_what_the_old_pass_and_each_update_replay(name, old_pass, update):
     sampler, old = _trace(1), _trace(2)
     mode = RoutingMode.of(name)

@@ -75,7 +75,8 @@ def test_rng_state_restores_every_source_and_named_generator():
     state = capture_rng_state({"sampler": sampler})
 
     def draw():
-        return random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.rand(2, generator=sampler).tolist()
+        return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
+                torch.rand(2, generator=sampler).tolist())
 
     first = draw()
     restore_rng_state(state, {"sampler": sampler})
