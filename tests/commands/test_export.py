@@ -16,16 +16,18 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import TINY_MODEL, cli, refused, tiny_train_config  # noqa: E402
-from moe_rl.commands.train import train  # noqa: E402
-from moe_rl.model import ModelConfig, MoETransformer  # noqa: E402
-from moe_rl.rl.build import build_model, build_model_tokenizer  # noqa: E402
-from moe_rl.runs.checkpoint import save_checkpoint  # noqa: E402
-from moe_rl.tasks import CharTokenizer  # noqa: E402
-from moe_rl.tasks.tokenizer import HF_SPECIAL_NAMES, char_tokenizer_as_hf  # noqa: E402
+from conftest import TINY_MODEL, cli, refused, tiny_train_config
+
+from moe_rl.commands.train import train
+from moe_rl.model import ModelConfig
+from moe_rl.rl.build import build_model, build_model_tokenizer
+from moe_rl.runs.checkpoint import save_checkpoint
+from moe_rl.tasks import CharTokenizer
+from moe_rl.tasks.tokenizer import HF_SPECIAL_NAMES, char_tokenizer_as_hf
 
 CPU = torch.device("cpu")
-HF_SIZES = dict(d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, n_experts=8, top_k=2, d_expert=32, d_dense=64)
+HF_SIZES = {"d_model": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "n_experts": 8, "top_k": 2, "d_expert": 32,
+            "d_dense": 64}
 
 
 def trained_run(out_dir, **model_fields):
@@ -49,8 +51,9 @@ def saved_model(out_dir, seed=0, **model_fields):
 
 def logits_of_both(checkpoint, folder):
     """(trained model's, from_pretrained's) fp32 logits of the same rows: one full, one left-padded."""
-    from moe_rl.commands.evaluate import read_checkpoint
     from transformers import AutoModelForCausalLM
+
+    from moe_rl.commands.evaluate import read_checkpoint
 
     model_cfg, _ = read_checkpoint(checkpoint)
     ours = build_model(model_cfg, CPU, 0, str(checkpoint)).eval()
@@ -88,8 +91,8 @@ def test_a_trained_native_model_exports_as_a_mixtral_with_its_logits(native_run,
 
 
 @pytest.mark.parametrize("fields", [
-    dict(tie_embeddings=True, rope_theta=500.0, norm_eps=1e-5, n_heads=4, n_kv_heads=2),
-    dict(n_heads=4, n_kv_heads=4, top_k=3, n_experts=6),
+    {"tie_embeddings": True, "rope_theta": 500.0, "norm_eps": 1e-5, "n_heads": 4, "n_kv_heads": 2},
+    {"n_heads": 4, "n_kv_heads": 4, "top_k": 3, "n_experts": 6},
 ])
 def test_native_configs_that_map_give_the_same_logits(tmp_path, fields):
     checkpoint = saved_model(tmp_path / "run", **{**HF_SIZES, "vocab_size": 99, **fields})
@@ -100,9 +103,9 @@ def test_native_configs_that_map_give_the_same_logits(tmp_path, fields):
 
 
 @pytest.mark.parametrize("fields, part", [
-    (dict(moe_every=2), "the dense blocks: moe_every=2"),
-    (dict(norm_topk_prob=False), "the router: norm_topk_prob=False"),
-    (dict(d_shared_expert=16), "the shared expert: d_shared_expert=16"),
+    ({"moe_every": 2}, "the dense blocks: moe_every=2"),
+    ({"norm_topk_prob": False}, "the router: norm_topk_prob=False"),
+    ({"d_shared_expert": 16}, "the shared expert: d_shared_expert=16"),
 ])
 def test_a_native_config_that_does_not_map_is_refused_by_name(tmp_path, fields, part):
     checkpoint = saved_model(tmp_path / "run", **{**HF_SIZES, "vocab_size": 99, **fields})
@@ -135,7 +138,7 @@ def test_the_character_tokenizer_json_is_the_character_tokenizer():
     assert hf.decode([chars.bos_id] + chars.encode(text) + [chars.eos_id], skip_special_tokens=True) == text
     assert (len(hf), hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (chars.vocab_size, 0, 1, 2)
     assert all(name not in text and len(chars.encode(name[1:-1])) > 1 for name in HF_SPECIAL_NAMES)
-    with pytest.raises(Exception):  # outside the vocabulary: an error, as CharTokenizer's, never a guess
+    with pytest.raises(Exception, match="Missing"):  # outside the vocabulary: an error, as CharTokenizer's, not a guess
         hf.encode("é", add_special_tokens=False)
 
 

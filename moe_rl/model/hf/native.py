@@ -48,8 +48,9 @@ def mismatch(cfg: ModelConfig) -> str | None:
         return ("the router: norm_topk_prob=False keeps the gathered softmax weights, Mixtral always renormalises "
                 "the top-k weights")
     if cfg.moe_every != 1:
-        return (f"the dense blocks: moe_every={cfg.moe_every} makes every block but each {cfg.moe_every}-th a "
-                "dense SwiGLU, Mixtral has an MoE feed-forward in every block")
+        dense = cfg.n_layers - cfg.n_moe_layers
+        return (f"the dense blocks: moe_every={cfg.moe_every} makes {dense} of the {cfg.n_layers} blocks dense "
+                "SwiGLU feed-forwards, Mixtral has an MoE feed-forward in every block")
     if cfg.d_shared_expert:
         return f"the shared expert: d_shared_expert={cfg.d_shared_expert}, Mixtral has no shared expert"
     return None
