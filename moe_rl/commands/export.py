@@ -106,6 +106,11 @@ def save_tokenizer(model_cfg: ModelConfig, folder: Path) -> str:
     """Save the tokenizer the run's prompts were encoded with; returns what was written, in words."""
     tokenizer = build_model_tokenizer(model_cfg)
     if isinstance(tokenizer, CharTokenizer):
+        if model_cfg.hf_path is None and model_cfg.vocab_size != tokenizer.vocab_size:
+            # moe-rl train and sft refuse this pair, so no run of theirs encoded prompts with it (a model saved
+            # from Python may have any vocabulary)
+            return (f"no tokenizer: the model's vocab_size {model_cfg.vocab_size} is not the character tokenizer's "
+                    f"{tokenizer.vocab_size}")
         char_tokenizer_as_hf().save_pretrained(folder)
         return "the character tokenizer as tokenizer.json"
     tokenizer.transformers_tokenizer.save_pretrained(folder)

@@ -115,7 +115,7 @@ def test_a_native_config_that_does_not_map_is_refused_by_name(tmp_path, fields, 
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"])
 def test_an_hf_model_exports_with_its_logits(tmp_path, family):
     if family == "qwen3_moe":  # the trained policy, through the real trainer
         cfg = tiny_train_config(tmp_path / "run", total_steps=1,
@@ -128,6 +128,13 @@ def test_an_hf_model_exports_with_its_logits(tmp_path, family):
     ours, theirs, model = logits_of_both(checkpoint, tmp_path / "hf")
     assert model.config.model_type == family
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_a_model_the_character_tokenizer_does_not_fit_gets_no_tokenizer(tmp_path):
+    checkpoint = saved_model(tmp_path / "run", **{**HF_SIZES, "vocab_size": 40})
+    said = export(checkpoint, tmp_path / "hf")
+    assert "no tokenizer: the model's vocab_size 40 is not the character tokenizer's 99" in said
+    assert not (tmp_path / "hf" / "tokenizer.json").exists() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_the_character_tokenizer_json_is_the_character_tokenizer():
@@ -157,6 +164,19 @@ def test_an_exported_native_model_trains_as_hf_path_with_the_same_ids_and_logits
     ids_BS = torch.tensor([[1, *tokenizer.encode(prompt)]])
     with torch.no_grad():
         assert (native(ids_BS).logits_BSV - wrapped(ids_BS).logits_BSV).abs().max() < 1e-5
+
+
+def test_an_hf_path_run_exports_the_tokenizer_of_its_path(native_run, tmp_path):
+    base = tmp_path / "base"
+    export(native_run, base)  # a folder with a tokenizer, as a user's checkpoint would have
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer of its own: PAD renamed
+        (base / name).write_text((base / name).read_text().replace("⟨pad⟩", "⟨PAD⟩"))
+    checkpoint = saved_model(tmp_path / "run", backend="hf", hf_path=str(base))
+    said = export(checkpoint, tmp_path / "hf")
+    assert f"the tokenizer of {base}" in said
+    assert "⟨PAD⟩" in (tmp_path / "hf" / "tokenizer.json").read_text()  # that one, not the character tokenizer's
+    ours, theirs, _ = logits_of_both(checkpoint, tmp_path / "hf")
+    assert (ours - theirs).abs().max() < 1e-5
 
 
 def test_out_must_be_new_empty_or_an_earlier_export(native_run, tmp_path):
