@@ -6,18 +6,18 @@
 
 Why Mixtral and not Qwen3-MoE. Part by part, the native model (moe_rl/model/) against the two:
 
-| part                     | native                              | Qwen3-MoE                   | Mixtral                     |
-|--------------------------|-------------------------------------|-----------------------------|-----------------------------|
-| norms                    | pre-norm RMSNorm, one eps           | the same                    | the same                    |
-| q/k norm                 | none                                | RMSNorm per head, always    | none                        |
-| attention bias           | none                                | attention_bias False        | none                        |
-| RoPE                     | rotate-half, 1/theta^(2i/Dh)        | the same                    | the same                    |
-| router                   | softmax (fp32), top-k, renormalised | the same (norm_topk_prob)   | the same, always renormalised|
-|                          | if norm_topk_prob                   |                             |                             |
-| experts                  | SwiGLU (silu(gate) * up), no bias   | the same                    | the same                    |
-| shared expert            | d_shared_expert > 0                 | none                        | none                        |
-| dense layers             | every block but each moe_every-th   | decoder_sparse_step         | none                        |
-| tied embeddings          | tie_embeddings                      | tie_word_embeddings         | tie_word_embeddings         |
+| part           | native                                  | Qwen3-MoE                  | Mixtral                  |
+|----------------|-----------------------------------------|----------------------------|--------------------------|
+| norms          | pre-norm RMSNorm, one eps               | the same                   | the same                 |
+| q/k norm       | none                                    | RMSNorm per head, always   | none                     |
+| attention bias | none                                    | attention_bias False       | none                     |
+| RoPE           | rotate-half, theta^(-2i/Dh)             | the same                   | the same                 |
+| router         | softmax (fp32), top-k, renormalised     | the same (norm_topk_prob)  | the same, always         |
+|                | if norm_topk_prob                       |                            | renormalised             |
+| experts        | SwiGLU silu(gate) * up, no bias         | the same                   | the same                 |
+| shared expert  | d_shared_expert > 0                     | none                       | none                     |
+| dense blocks   | all but every moe_every-th              | decoder_sparse_step        | none                     |
+| tied embedding | tie_embeddings                          | tie_word_embeddings        | tie_word_embeddings      |
 
 Qwen3-MoE normalises every query and key head with its own RMSNorm (`q_norm`, `k_norm`, in transformers' and in
 vLLM's Qwen3-MoE alike, with no switch to turn it off), and the native attention has none: no weight makes an RMSNorm
@@ -114,4 +114,3 @@ def as_mixtral(model: nn.Module, into: nn.Module | None = None) -> nn.Module:
     if model.cfg.tie_embeddings:
         into.tie_weights()
     return into.eval()
-
