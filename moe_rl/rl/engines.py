@@ -7,8 +7,9 @@ when asked, the routing of every input position in the trainer's replay layout (
 (`sync`); an engine that keeps its own copy of the weights reloads them there.
 
     native  moe-rl's own KV-cached sampler (moe_rl.rl.rollout.generate): the trainer's model, no copy, no sync
-    vllm    a vLLM engine (moe_rl.rl.vllm_engine) loaded from the trainer's Hugging Face model, synced after each
-            optimizer step; needs the optional install (VLLM_INSTALL)
+    vllm    a vLLM engine (moe_rl.rl.vllm_engine) loaded from the trainer's Hugging Face model (the native model's
+            exact Mixtral export: moe_rl.model.hf.native), synced after each optimizer step; needs the optional
+            install (VLLM_INSTALL)
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Protocol
 import torch
 
 from moe_rl.errors import ConfigError, check_choice
+from moe_rl.model.config import ModelConfig
+from moe_rl.model.hf.native import check_maps
 from moe_rl.rl.rollout import Generation, SamplingConfig, generate
 
 ENGINES = ("native", "vllm")
@@ -69,16 +72,16 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def check_engine_config(engine: str, sampling: SamplingConfig, backend: str, gate_weights: bool) -> None:
+def check_engine_config(engine: str, sampling: SamplingConfig, model: ModelConfig, gate_weights: bool) -> None:
     """Refuse, in one line and before anything runs, a run the engine cannot serve (nothing is imported)."""
     check_choice("rollout.engine", engine, ENGINES)
     if engine == "native":
         return
     if not vllm_installed():
         raise ConfigError(f"--rollout.engine vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
-    if backend != "hf":
-        raise ConfigError(f"--rollout.engine vllm serves the Hugging Face backend (--model.backend hf), not "
-                          f"{backend!r}: the native model has no vLLM checkpoint layout")
+    if model.backend == "native":  # served through its exact Mixtral export, where there is one
+        check_maps(model, what="--rollout.engine vllm serves the native model as its Hugging Face export, but this "
+                               "config")
     if sampling.precision not in VLLM_PRECISIONS:
         raise ConfigError(f"--rollout.engine vllm serves sampling.precision {', '.join(VLLM_PRECISIONS)}, not "
                           f"{sampling.precision!r} (vLLM's fp8 kernels need a GPU)")

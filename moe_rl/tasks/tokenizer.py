@@ -92,6 +92,11 @@ class HFTokenizer:
                              f"and EOS; got pad={pad}, bos={self.bos_id}, eos={self.eos_id}")
         self.pad_id = pad
 
+    @property
+    def transformers_tokenizer(self):
+        """The transformers tokenizer behind this one (what an exported model's folder gets)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         """Text -> ids without special tokens. Raises ValueError if the text needs the unknown token."""
         ids = self._tok.encode(text, add_special_tokens=False)
@@ -110,3 +115,29 @@ class HFTokenizer:
             if token not in (self.pad_id, self.bos_id):
                 kept.append(token)
         return self._tok.decode(kept, clean_up_tokenization_spaces=False)
+
+
+# The special tokens' names in a Hugging Face copy of the character tokenizer: characters the vocabulary cannot
+# encode, so that no prompt text ever reads as one (an ASCII name such as "<s>" would, and would turn three
+# characters into one id).
+HF_SPECIAL_NAMES = ("⟨pad⟩", "⟨bos⟩", "⟨eos⟩")
+
+
+def char_tokenizer_as_hf():
+    """The character tokenizer as a transformers PreTrainedTokenizerFast (built with the `tokenizers` library), for
+    an exported model: the same id for every character, one token per character, PAD/BOS/EOS = 0/1/2. Text outside
+    the vocabulary raises, as CharTokenizer.encode does. `add_special_tokens` (the default of `tokenizer(text)`)
+    prepends BOS, as moe-rl's sampler does to every prompt; `decode(..., skip_special_tokens=True)` gives the text."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    pad, bos, eos = HF_SPECIAL_NAMES
+    vocab = {pad: PAD_ID, bos: BOS_ID, eos: EOS_ID, **{ch: _SPECIALS + i for i, ch in enumerate(_CHARS)}}
+    tok = RustTokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+    tok.decoder = decoders.Fuse()  # join the characters without spaces
+    tok.add_special_tokens([AddedToken(name, special=True) for name in HF_SPECIAL_NAMES])
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                       special_tokens=[(bos, BOS_ID)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos)

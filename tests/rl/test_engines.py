@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_model
 
 from moe_rl.errors import ConfigError
+from moe_rl.model import ModelConfig
 from moe_rl.rl.engines import VLLM_INSTALL, NativeEngine, build_engine, check_engine_config, vllm_installed
 from moe_rl.rl.rollout import SamplingConfig, encode_prompts, generate, generate_groups
 from moe_rl.rl.run_config import RolloutConfig, TrainConfig
@@ -56,15 +57,27 @@ def test_vllm_engine_without_vllm_is_a_one_line_error_naming_the_install():
         build_engine("vllm", tiny_model(), SamplingConfig())
 
 
+QWEN3_MOE = {"backend": "hf", "hf_config": "qwen3_moe"}
+
+
 @pytest.mark.skipif(not vllm_installed(), reason="the checks past the install need vllm installed")
-@pytest.mark.parametrize("backend, precision, gate_weights, match", [
-    ("native", "trainer", False, r"serves the Hugging Face backend \(--model.backend hf\), not 'native'"),
-    ("hf", "fp8", False, r"serves sampling.precision trainer, exact, bf16, fp16, not 'fp8'"),
-    ("hf", "trainer", True, r"records expert ids only: replay.gate_weights needs the native engine"),
+@pytest.mark.parametrize("model, precision, gate_weights, match", [
+    ({"moe_every": 2}, "trainer", False, (r"serves the native model as its Hugging Face export, but this config does "
+                                          r"not map exactly onto a Hugging Face Mixtral .*: the dense blocks: "
+                                          r"moe_every=2")),
+    ({"d_shared_expert": 8}, "trainer", False, r"does not map .*: the shared expert: d_shared_expert=8"),
+    (QWEN3_MOE, "fp8", False, r"serves sampling.precision trainer, exact, bf16, fp16, not 'fp8'"),
+    (QWEN3_MOE, "trainer", True, r"records expert ids only: replay.gate_weights needs the native engine"),
 ])
-def test_what_the_vllm_engine_cannot_serve_is_refused(backend, precision, gate_weights, match):
+def test_what_the_vllm_engine_cannot_serve_is_refused(model, precision, gate_weights, match):
     with pytest.raises(ConfigError, match=match):
-        check_engine_config("vllm", SamplingConfig(precision=precision), backend, gate_weights)
+        check_engine_config("vllm", SamplingConfig(precision=precision), ModelConfig(**model), gate_weights)
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="the checks past the install need vllm installed")
+def test_a_native_model_that_maps_onto_mixtral_is_served():
+    check_engine_config("vllm", SamplingConfig(), ModelConfig(), False)  # the default native config maps
+    TrainConfig(rollout=RolloutConfig(engine="vllm"))
 
 
 def test_an_engine_that_dies_is_a_named_error(tmp_path):

@@ -5,6 +5,8 @@
 - bf16 engine: a real engine-trainer mismatch, non-zero.
 - weight sync: after an update the engine's log-probs equal the trainer's new ones and differ from the old ones
   (fails if vLLM's CPU MoE kernel keeps its stale prepacked weights, the repack bug).
+- the native model, served as its exact Mixtral export (moe_rl/model/hf/native.py): the same two equalities, before
+  and after a sync that goes through the same mapping.
 """
 
 import pytest
@@ -120,6 +122,44 @@ def test_other_families_equal_the_trainer_before_and_after_a_sync(family):
         engine.close()
 
 
+NATIVE = {"vocab_size": 99, "d_model": 64, "n_layers": 3, "n_heads": 2, "n_kv_heads": 1, "n_experts": 8, "top_k": 2,
+          "d_expert": 32, "max_seq_len": 64, "init_std": 0.1}
+
+
+@pytest.mark.parametrize("fields", [{}, {"n_heads": 4, "n_kv_heads": 2, "d_model": 128, "tie_embeddings": True,
+                                         "rope_theta": 500.0, "norm_eps": 1e-5}])
+def test_the_native_model_is_served_exactly_before_and_after_a_sync(fields):
+    """The native MoETransformer (this machine's kernels, as the trainer builds it) through its Mixtral export:
+    fp32 log-probs within 1e-5 of the trainer's and 0 set changes, at start-up and after every weight moved."""
+    from moe_rl import kernels
+    from moe_rl.model import MoETransformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**NATIVE, **fields})
+    model = MoETransformer(cfg, kernels=kernels.machine()).eval()
+    engine = build_engine("vllm", model, SamplingConfig(precision="trainer"))
+    try:
+        for version in (0, 1):
+            if version:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn_like(p) * 0.05)
+                engine.sync(model, version)
+                assert engine.repacked == cfg.n_layers
+            gen = _sample(engine, model, seed=version)
+            logp_BN, routing = _trainer_view(model, gen)
+            mask = gen.response_mask_BN
+            assert mask.sum() > len(PROMPTS)
+            diff = (gen.logprobs_BN - logp_BN)[mask].abs().max()
+            stats = churn_stats(gen.routing, routing, _fed_BS(gen))
+            print(f"native via vLLM, version {version}: max |logp diff| {diff:.2e} over {int(mask.sum())} tokens; "
+                  f"set_change {stats.set_change} over {stats.n_tokens} routed tokens x {cfg.n_layers} layers")
+            assert diff < 1e-5
+            assert stats.n_tokens > 0 and stats.set_change == 0.0
+    finally:
+        engine.close()
+
+
 def test_bf16_engine_mismatch_is_real():
     model = _model(seed=3)
     engine = build_engine("vllm", model, SamplingConfig(precision="bf16"))
@@ -136,14 +176,18 @@ def test_bf16_engine_mismatch_is_real():
           f"set_change {stats.set_change:.4f} token_any {stats.token_any:.4f} over {stats.n_tokens} tokens")
 
 
-def _train(tmp_path, precision: str, *extra: str) -> list[dict]:
-    """Two rollout steps through the CLI: tiny Qwen3-MoE, vLLM engine, R3, the rollout mismatch probe on."""
+SIZES = ["--model.d-model", "64", "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.n-layers", "2",
+         "--model.n-experts", "8", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
+QWEN3_MOE = ["--model.backend", "hf", "--model.hf-config", "qwen3_moe", *SIZES]
+
+
+def _train(tmp_path, precision: str, *extra: str, model=QWEN3_MOE) -> list[dict]:
+    """Two rollout steps through the CLI: tiny Qwen3-MoE (or `model`), vLLM engine, R3, the rollout mismatch probe
+    on."""
     from moe_rl.cli import main
 
     out = tmp_path / precision
-    args = ["train", "--model.backend", "hf", "--model.hf-config", "qwen3_moe", "--model.d-model", "64",
-            "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.n-layers", "2", "--model.n-experts", "8",
-            "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64", "--rollout.engine", "vllm",
+    args = ["train", *model, "--rollout.engine", "vllm",
             "--routing-mode", "R3", "--rollout.sampling.precision", precision, "--total-steps", "2",
             "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--probes.enabled", "rollout",
             "--out-dir", str(out), *extra]
@@ -159,6 +203,16 @@ def test_cli_r3_with_the_fp32_engine_has_no_mismatch(tmp_path):
     assert {m["step"] for m in lines} == {0, 1}  # both rollout steps
     assert all(m["routing/rollout/set_change"] == 0.0 for m in lines)
     assert all(m["rollout/kl"] < 1e-10 for m in lines)  # k3 of the engine vs the trainer's old pass
+
+
+def test_cli_r3_native_model_with_the_fp32_engine_has_no_mismatch(tmp_path):
+    """`--model.backend native --rollout.engine vllm`: the engine serves the native model's Mixtral export and is
+    synced through the same map after step 0's updates; both rollouts match the trainer's old pass exactly."""
+    lines = [m for m in _train(tmp_path, "trainer", "--probes.tokens", "all", "--minibatches", "2",
+                               model=["--model.backend", "native", *SIZES]) if "routing/rollout/set_change" in m]
+    assert {m["step"] for m in lines} == {0, 1}
+    assert all(m["routing/rollout/set_change"] == 0.0 for m in lines)
+    assert all(m["rollout/kl"] < 1e-10 for m in lines)
 
 
 def test_cli_r3_with_the_bf16_engine_shows_the_mismatch(tmp_path):
