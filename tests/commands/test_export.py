@@ -43,7 +43,7 @@ def saved_model(out_dir, seed=0, **model_fields):
     torch.manual_seed(seed)
     model = build_model(cfg, CPU, seed, None)
     with torch.no_grad():  # norms away from 1 so that a norm mapped to the wrong place shows
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
     return save_checkpoint(out_dir, 0, {"model": model.state_dict(), "model_config": asdict(cfg)})
