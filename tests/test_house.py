@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import ast
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # The folder each package's modules live in: experiments/ and analysis/ install as moe_rl.experiments and

@@ -50,7 +50,8 @@ def cpu_key() -> str:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    cpu = f"{fields.get('model name', platform.processor())} family {fields.get('cpu family')} model {fields.get('model')}"
+    name = fields.get("model name", platform.processor())
+    cpu = f"{name} family {fields.get('cpu family')} model {fields.get('model')}"
     isa = "avx512" if " avx512f" in info else "avx2" if " avx2" in info else "other"
     caps = ",".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                                    "ONEDNN_MAX_CPU_ISA", "MOE_RL_ISA") if k in os.environ)

@@ -81,7 +81,10 @@ class Router(nn.Module):
             # Replayed gate weights are constants: the experts combine with the sampler's weights and the router
             # gets no gradient through them (only through the auxiliary losses, which read scores_TE).
             replayed_TK = replay.weights_TK.to(weights_TK.dtype)
-            weights_TK = replayed_TK if replayed_T is None else torch.where(replayed_T[:, None], replayed_TK, weights_TK)
+            if replayed_T is None:
+                weights_TK = replayed_TK
+            else:
+                weights_TK = torch.where(replayed_T[:, None], replayed_TK, weights_TK)
         return RouterOutput(weights_TK, ids_TK, scores_TE, logits_TE, native_ids_TK, replayed_T)
 
 

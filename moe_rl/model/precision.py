@@ -31,8 +31,8 @@ Why not torch's bf16 kernels: on a CPU without bf16 instructions they convert an
 which made the bf16 sampler about 3x slower (rollouts) and 4x slower (held-out evaluation) than this, measured in
 process time on a 2-core AMD EPYC with AVX2 in the length-generalisation regime. The fp32 products run through the
 model's own fp32 kernels. They sum in another order than torch's bf16 kernels, so the two round to different bf16
-values in about 1 of 2,000-20,000 outputs, by one bf16 ulp (tests/model/test_precision.py); runs with a bf16 sampler made
-before this change (moe-rl 2026-12-01, the correction and length-generalisation studies) used torch's kernels.
+values in about 1 of 2,000-20,000 outputs, by one bf16 ulp (tests/model/test_precision.py); runs with a bf16 sampler
+made before this change (moe-rl 2026-12-01, the correction and length-generalisation studies) used torch's kernels.
 """
 
 from __future__ import annotations

@@ -3,12 +3,6 @@ takes about 40 CPU seconds here): the minibatch shapes, the compile time and bre
 times, and the table row it writes. The timing itself runs in the benchmark (`--quick`, about 2 minutes)."""
 
 import math
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_compile
 

@@ -2,14 +2,8 @@
 and one layer's, give the same bits (the run stops otherwise) and their times make the table (the numbers are the
 machine's; only their presence and consistency are checked)."""
 
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_prefetch  # noqa: E402
 from moe_rl.kernels import native  # noqa: E402

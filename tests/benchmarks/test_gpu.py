@@ -1,15 +1,8 @@
 """GPU checks (bf16 autocast, grouped_mm on CUDA). CI has no GPU: every test here skips cleanly without one."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
-    sys.path.insert(0, str(REPO))
-
 from conftest import metric_lines, tiny_config, tiny_model, tiny_train_config  # noqa: E402
 
 from moe_rl.model import MoETransformer  # noqa: E402

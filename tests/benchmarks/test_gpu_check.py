@@ -12,10 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
-    sys.path.insert(0, str(REPO))
-
 from benchmarks import gpu_check, gpu_fsdp2, gpu_hf  # noqa: E402
 from moe_rl.model.hf import FAMILIES as HF_FAMILIES  # noqa: E402
 

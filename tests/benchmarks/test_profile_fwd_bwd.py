@@ -2,12 +2,6 @@
 op table with both columns (the numbers are the machine's; only their presence and consistency are checked)."""
 
 import re
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `benchmarks` is not an installed package
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import profile_fwd_bwd  # noqa: E402
 

@@ -102,7 +102,7 @@ class HFMoEModel(nn.Module):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
     @classmethod
-    def wrap(cls, hf_model: nn.Module, **model_fields) -> "HFMoEModel":
+    def wrap(cls, hf_model: nn.Module, **model_fields) -> HFMoEModel:
         """A transformers MoE causal LM built in Python (from_pretrained, a config, your own training) under the
         routing contract. The ModelConfig takes the model's vocabulary and context length; `model_fields` set the
         others that apply (aux_loss_coef, z_loss_coef, max_seq_len)."""
