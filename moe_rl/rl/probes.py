@@ -10,6 +10,12 @@ Each probe compares two routings (A, B) of the same tokens (docs/design.md secti
 | rollout   | the sampler's routing           | the trainer's theta_old pass       | rollout steps      |
 | noise     | theta_old                       | theta_old again, same tokens       | rollout steps      |
 
+The `split` probe (opt-in) asks what the others cannot: how much of the log-ratio the objective clips comes from the
+routing having moved. At minibatch j it splits each probed token's log w = logp(theta_j, r_j) - logp(theta_old,
+r_old) exactly into a routing part, logp(theta_j, r_j) - logp(theta_j, r_old), and a weight part, logp(theta_j,
+r_old) - logp(theta_old, r_old), where r is each parameter version's own routing and logp(theta_j, r_old) is a
+forward of theta_j replaying theta_old's expert ids (gate weights recomputed from theta_j's router).
+
 All probe forwards are native (no replay), run under no grad on the probe rows (by default a random subsample of 32
 sequences per rollout step, drawn from a generator of their own; the whole batch when it is no larger, or with
 `sequences=None`), all in one fixed row-chunk layout, so unchanged parameters read exactly 0 on CPU. The training RNG
@@ -22,6 +28,7 @@ the two parameter versions), so the update probe costs one no-grad forward of th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,8 +40,10 @@ from moe_rl.rl.policy import policy_forward
 from moe_rl.routing.churn import churn_stats
 from moe_rl.routing.trace import RoutingTrace
 
-PROBE_NAMES = ("update", "staleness", "replay", "rollout", "noise")
-PER_UPDATE_PROBES = ("update", "staleness", "replay")
+PROBE_NAMES = ("update", "staleness", "replay", "rollout", "noise", "split")
+DEFAULT_PROBES = ("update", "staleness", "replay", "rollout", "noise")  # split costs a forward per update: opt-in
+PER_UPDATE_PROBES = ("update", "staleness", "replay", "split")
+GRPO_TRUST_REGION = (0.2, 0.27)
 TOKEN_SETS = ("response", "all")
 
 
@@ -42,8 +51,10 @@ TOKEN_SETS = ("response", "all")
 class ProbeConfig:
     """Which routing probes run, how often, and on which tokens."""
 
-    enabled: tuple[Literal[PROBE_NAMES], ...] = PROBE_NAMES  # --help lists the choices
-    """Probes to run, any of: update, staleness, replay, rollout, noise. An empty tuple turns all off."""
+    enabled: tuple[Literal[PROBE_NAMES], ...] = DEFAULT_PROBES  # --help lists the choices
+    """Probes to run, any of: update, staleness, replay, rollout, noise, split (the log-ratio split into its routing
+    and weight parts; not on by default: one more forward of the probe rows per optimizer step). An empty tuple turns
+    all off."""
     every: dict[str, int] = field(default_factory=dict)
     """Cadence per probe, e.g. `update 4`: every 4th optimizer step (update, staleness, replay) or rollout step
     (rollout, noise). Probes not listed run every time."""
@@ -53,6 +64,11 @@ class ProbeConfig:
     (each probe forward then costs a quarter of an old pass); batches of at most this many rows are probed whole."""
     tokens: Literal[TOKEN_SETS] = "response"  # the tuple spells the choices; --help lists them
     """Tokens compared: 'response' (positions that score a response token) or 'all' real positions."""
+    split_per_layer: bool = False
+    """With the split probe: also each MoE layer's own routing part (one more forward per layer and update)."""
+    split_trust_region: tuple[float, float] = GRPO_TRUST_REGION
+    """(e_lo, e_hi): the split probe counts a token as clipped when its ratio leaves [1-e_lo, 1+e_hi] in the direction
+    its advantage pushes (GRPO's clip). GRPO's default, whatever the run's objective."""
 
     def __post_init__(self) -> None:
         self.enabled = tuple(self.enabled)
@@ -65,6 +81,10 @@ class ProbeConfig:
         if self.sequences is not None and self.sequences < 1:
             raise ConfigError(f"probes.sequences={self.sequences} must be >= 1 (or None for the whole batch)")
         check_choice("probes.tokens", self.tokens, TOKEN_SETS)
+        e_lo, e_hi = self.split_trust_region
+        if not (0 <= e_lo < 1 and e_hi >= 0):
+            raise ConfigError(f"probes.split_trust_region={self.split_trust_region} must be (e_lo, e_hi) with "
+                              "0 <= e_lo < 1 and e_hi >= 0")
 
     def due(self, name: str, counter: int) -> bool:
         """Whether probe `name` runs at this optimizer step (or rollout step) `counter`."""
@@ -94,6 +114,39 @@ def policy_change(before_BN: torch.Tensor, after_BN: torch.Tensor, mask_BN: torc
     return {
         "update/kl": masked_mean(log_w_BN.exp() - 1 - log_w_BN, mask_BN).item(),
         "update/log_ratio_abs_mean": masked_mean(log_w_BN.abs(), mask_BN).item(),
+    }
+
+
+def clipped_BN(log_w_BN: torch.Tensor, advantages_B: torch.Tensor, trust_region: tuple[float, float]) -> torch.Tensor:
+    """Tokens whose ratio GRPO's clip cuts: above 1+e_hi with a positive advantage, below 1-e_lo with a negative one."""
+    e_lo, e_hi = trust_region
+    sign_B1 = advantages_B.sign()[:, None].to(log_w_BN.device)
+    above_BN = log_w_BN > math.log1p(e_hi)
+    below_BN = log_w_BN < math.log1p(-e_lo)
+    return ((sign_B1 > 0) & above_BN) | ((sign_B1 < 0) & below_BN)
+
+
+def log_ratio_split(routing_BN: torch.Tensor, weights_BN: torch.Tensor, mask_BN: torch.Tensor,
+                    advantages_B: torch.Tensor, trust_region: tuple[float, float]) -> dict[str, float]:
+    """split/ metrics of one update from the two parts of log w (docs/metrics.md): their sizes, the routing part's
+    share, and how many of the tokens GRPO clips would stay inside the trust region without the routing part."""
+    routing_BN, weights_BN = routing_BN.double(), weights_BN.double()
+    mask_BN = mask_BN.bool()
+    routing_abs = masked_mean(routing_BN.abs(), mask_BN).item()
+    weights_abs = masked_mean(weights_BN.abs(), mask_BN).item()
+    clipped = clipped_BN(routing_BN + weights_BN, advantages_B, trust_region) & mask_BN
+    clipped_by_weights = clipped_BN(weights_BN, advantages_B, trust_region) & mask_BN
+    n_clipped = int(clipped.sum())
+    return {
+        "split/log_ratio_abs_mean": masked_mean((routing_BN + weights_BN).abs(), mask_BN).item(),
+        "split/routing_abs_mean": routing_abs,
+        "split/weights_abs_mean": weights_abs,
+        "split/routing_share": routing_abs / (routing_abs + weights_abs) if routing_abs + weights_abs > 0 else 0.0,
+        "split/routing_token_frac": masked_mean((routing_BN != 0).double(), mask_BN).item(),
+        "split/clip_frac": n_clipped / max(int(mask_BN.sum()), 1),
+        # NaN when nothing is clipped: the share is undefined, not 0
+        "split/clip_from_routing": (int((clipped & ~clipped_by_weights).sum()) / n_clipped if n_clipped
+                                    else math.nan),
     }
 
 
@@ -183,10 +236,41 @@ class Prober:
         return metrics
 
     def before_update(self, model, update: int, minibatch: int) -> dict:
-        if not self.cfg.due("staleness", update):
-            return {}
+        metrics = {}
+        if self.cfg.due("staleness", update):
+            current = self._current(model, update)
+            metrics.update(self._compare("staleness", self.base.trace, current.trace,
+                                         {"update": update, "minibatch": minibatch}))
+        if self.cfg.due("split", update) and update != self.base.update:  # at minibatch 0 log w is 0: no split
+            metrics.update(self.split(model, update))
+        return metrics
+
+    @torch.no_grad()
+    def split(self, model, update: int) -> dict:
+        """The split probe: theta_j's log-ratio to theta_old in its routing and weight parts (module docstring)."""
         current = self._current(model, update)
-        return self._compare("staleness", self.base.trace, current.trace, {"update": update, "minibatch": minibatch})
+        replayed_BN = self.replayed_logp(model, self.base.trace)
+        metrics = log_ratio_split(current.logp_BN - replayed_BN, replayed_BN - self.base.logp_BN,
+                                  self.response_mask_BN, self.batch.advantages_B[self.rows],
+                                  self.cfg.split_trust_region)
+        if self.cfg.split_per_layer:
+            for layer in range(current.trace.n_layers):
+                # theta_j with its own routing everywhere but `layer`, which replays theta_old's
+                ids_LBSK = current.trace.ids_LBSK.clone()
+                ids_LBSK[layer] = self.base.trace.ids_LBSK[layer]
+                layer_BN = current.logp_BN - self.replayed_logp(model, RoutingTrace(ids_LBSK))
+                metrics[f"split/routing_abs_mean/L{layer}"] = masked_mean(layer_BN.double().abs(),
+                                                                          self.response_mask_BN).item()
+        return metrics
+
+    def replayed_logp(self, model, trace: RoutingTrace) -> torch.Tensor:
+        """Log-probs of the probe rows under the current parameters with `trace`'s expert ids (rows of the probe)."""
+        offsets = torch.cumsum(torch.tensor([0] + [len(c) for c in self.chunks]), 0).tolist()
+        return torch.cat([
+            policy_forward(model, self.batch.rows(chunk), self.temperature,
+                           replay=trace.rows(slice(offsets[i], offsets[i + 1]))).logp_BN
+            for i, chunk in enumerate(self.chunks)
+        ])
 
     def after_update(self, model, update: int, minibatch: int) -> dict:
         """Run after optimizer step `update` (the parameters are now those of update + 1)."""
