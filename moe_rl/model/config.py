@@ -6,7 +6,7 @@ architecture knob. Validation happens at construction: a bad value names its fie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from moe_rl.errors import ConfigError, check_choice, check_positive
@@ -133,3 +133,14 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_block(i) for i in range(self.n_layers))
+
+    def dense_twin(self) -> ModelConfig:
+        """The dense control of this native MoE: each MoE layer becomes one expert of width top_k x d_expert that
+        every token takes (n_experts 1, top_k 1), so every token runs the same parameters, as many per token as the
+        MoE activates. Attention, depth, width, dense blocks and a shared expert are unchanged. A one-expert router's
+        softmax is exactly 1 whatever its logit, so its gate weight is the constant 1, the router and the
+        load-balancing loss get zero gradient, and routing cannot churn; the run keeps every instrument of an MoE
+        run (its routing probes then read 0)."""
+        if self.backend != "native":
+            raise ConfigError("dense_twin: only the native model has a dense twin (backend='native')")
+        return replace(self, n_experts=1, top_k=1, d_expert=self.top_k * self.d_expert)

@@ -29,8 +29,8 @@ ROUTING_MODES, DEVICES = MODE_NAMES, get_args(Device)
 def check_out_dir_named(config) -> None:
     """`--out-dir ''` would put the run into the working directory: refused (None, the default, names a new one)."""
     if config.out_dir is not None and not config.out_dir.strip():
-        raise ConfigError(f"out_dir={config.out_dir!r} is empty: give the run's directory (e.g. --out-dir runs/<name>), "
-                          "or leave the flag out for a new runs/<time>-<name>")
+        raise ConfigError(f"out_dir={config.out_dir!r} is empty: give the run's directory (e.g. --out-dir "
+                          "runs/<name>), or leave the flag out for a new runs/<time>-<name>")
 
 
 def check_numbers(config) -> None:
@@ -59,10 +59,13 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    router_lr_scale: float = 1.0
+    """The routers' learning rate as a multiple of lr. 0 freezes them (no gradient, no update, left out of the
+    gradient norm): routing then moves only because the hidden states feeding the routers move."""
 
     def __post_init__(self) -> None:
         check_positive("lr", self.lr)
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "router_lr_scale"):
             check_positive(name, getattr(self, name), allow_zero=True)
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:

@@ -37,7 +37,7 @@ from moe_rl.objectives.common import loss_denominator_count
 from moe_rl.objectives.masked import masked_mean, masked_sum
 from moe_rl.rl import distributed
 from moe_rl.rl.advantages import group_advantages, reward_stats, zero_std_groups
-from moe_rl.rl.build import build_model, build_model_tokenizer, make_optimizer
+from moe_rl.rl.build import build_model, build_model_tokenizer, freeze_routers, make_optimizer
 from moe_rl.rl.correction import Correction, corrected_loss_inputs, mismatch_metrics, rollout_correction
 from moe_rl.rl.engines import EngineFailed, build_engine
 from moe_rl.rl.heldout import heldout_metrics
@@ -107,6 +107,8 @@ class Trainer:
         # A resume takes the weights from its checkpoint, so it does not need init_from to still exist.
         self.model = build_model(cfg.model, device, cfg.seed, cfg.init_from if init_weights else None)
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
+        if cfg.optim.router_lr_scale == 0:
+            freeze_routers(self.model)
         self.reuse_first_forward = True  # _old_pass_runs_first_update; off only to compare the two paths
         # Training forwards go through DDP under torchrun; sampling, the old pass and probes use self.model, no grad.
         # The loop dispatch skips experts without tokens, so DDP must look for parameters without a gradient.
