@@ -49,12 +49,20 @@ class SamplingConfig:
     log-probs and routing by its own old pass's (bit for bit: the zero-mismatch control). Held-out evaluation samples
     the same way."""
     keep_sampling_mask: bool = False
-    """With top_p < 1: keep each step's nucleus, and have the trainer renormalise its log-probs over it (every
-    pass: old, updates, probes), so that trainer and sampler score the same truncated distribution. Without it the
-    trainer scores the full distribution and every ratio is off by the nucleus mass."""
+    """With top_p < 1 or min_new_tokens: keep each step's support (the nucleus, without EOS while it is banned), and
+    have the trainer renormalise its log-probs over it (every pass: old, updates, probes), so that trainer and sampler
+    score the same truncated distribution. Without it the trainer scores the full distribution and every ratio is off
+    by the support's mass."""
+    min_new_tokens: int = 0
+    """Length control: EOS cannot be drawn before this many response tokens (vLLM's min_tokens). A decoding-only
+    baseline for `moe-rl evaluate`: a warm start that stops too early can gain accuracy from it without training."""
 
     def __post_init__(self) -> None:
         check_positive("max_new_tokens", self.max_new_tokens)
+        check_positive("min_new_tokens", self.min_new_tokens, allow_zero=True)
+        if self.min_new_tokens >= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens={self.min_new_tokens} must be < max_new_tokens={self.max_new_tokens} "
+                              "(else no completion could end with EOS)")
         check_choice("sampling.precision", self.precision, SAMPLER_PRECISIONS)
         check_positive("temperature", self.temperature)
         if not 0 < self.top_p <= 1:
@@ -107,15 +115,20 @@ def sample_next(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.G
     return tokens_B, logp_B
 
 
-def draw(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
-    """(tokens_B, log-probs, support_BV): one token per row from softmax(logits / temperature), truncated to the
-    nucleus and renormalised when top_p < 1; support_BV is the nucleus (None when top_p = 1)."""
+def draw(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+         banned_token: int | None = None):
+    """(tokens_B, log-probs, support_BV): one token per row from softmax(logits / temperature), without
+    `banned_token` (the length control bans EOS), truncated to the nucleus and renormalised when top_p < 1;
+    support_BV is the nucleus (None when top_p = 1)."""
     scaled_BV = logits_BV.float()
     if cfg.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
         scaled_BV = scaled_BV / cfg.temperature
     logp_BV = torch.log_softmax(scaled_BV, dim=-1)
     if not torch.isfinite(logp_BV).all():
         raise FloatingPointError("the model produced non-finite logits while sampling")
+    if banned_token is not None:
+        scaled_BV = scaled_BV.index_fill(1, torch.tensor([banned_token], device=scaled_BV.device), -torch.inf)
+        logp_BV = torch.log_softmax(scaled_BV, dim=-1)
     support_BV = None
     if cfg.top_p < 1.0:
         support_BV = nucleus_support(logp_BV.exp(), cfg.top_p)
@@ -183,17 +196,22 @@ def _generate(model, prompt_ids_BP, prompt_valid_BP, cfg: SamplingConfig, eos_id
     valid_BW = torch.cat([valid_BP, valid_BP.new_zeros(B, cfg.max_new_tokens)], dim=1)
     finished_B = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
     logprobs, supports = [], []
-    keep_support = cfg.keep_sampling_mask and cfg.top_p < 1.0
+    keep_support = cfg.keep_sampling_mask and (cfg.top_p < 1.0 or cfg.min_new_tokens > 0)
     with record_routing(model, with_weights=record_weights) if record and use_cache else nullcontext() as recorder, \
             sampler_numerics(model, ids_BP.device, cfg.precision) as numerics:
         # Made in the sampler's precision: its key layout follows whether the C decode attention serves it.
         cache = model.new_cache(B, P + cfg.max_new_tokens) if use_cache else None
         logits_BV = model(ids_BP, valid_BP, cache, numerics=numerics).logits_BSV[:, -1]
         for step in range(cfg.max_new_tokens):
-            next_B, logp_B, support_BV = draw(logits_BV, cfg, generator)
+            eos_banned = step < cfg.min_new_tokens
+            next_B, logp_B, support_BV = draw(logits_BV, cfg, generator, eos_id if eos_banned else None)
             next_B = next_B.masked_fill(finished_B, pad_id)
             logprobs.append(logp_B.masked_fill(finished_B, 0.0))
             if keep_support:  # a padding position keeps every token, so its renormalisation stays finite
+                if support_BV is None:
+                    support_BV = torch.ones_like(logits_BV, dtype=torch.bool)
+                if eos_banned:
+                    support_BV[:, eos_id] = False
                 supports.append(support_BV | finished_B[:, None])
             length = P + step + 1
             tokens_BW[:, length - 1] = next_B

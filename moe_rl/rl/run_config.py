@@ -92,6 +92,9 @@ class RolloutConfig:
         check_choice("rollout.engine", self.engine, ENGINES)
         if self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size} must be >= 2: group-normalised advantages need a group")
+        if self.engine == "vllm" and self.sampling.min_new_tokens:
+            raise ConfigError("rollout.sampling.min_new_tokens is not passed to the vLLM engine (whether its "
+                              "log-probs then score the banned distribution is untested); use --rollout.engine native")
 
 
 @dataclass

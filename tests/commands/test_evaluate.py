@@ -181,10 +181,42 @@ def test_the_temperature_is_chosen_on_validation_never_on_held_out(tmp_path, mon
     result = evaluate(EvaluateConfig(checkpoint=str(tmp_path), temperatures=(1.5, 0.5, 1.2, 0.7, 1.0),
                                      validation_prompts=8, heldout_prompts=8, out=str(tmp_path / "out")))
     assert result["best_temperature"] == 0.7
-    assert result["heldout"]["sampled"] == {"temperature": 0.7, "mean": 0.35, "se": 0.01, "prompts": 8, "samples": 1}
+    assert result["heldout"]["sampled"] == {"temperature": 0.7, "min_new_tokens": 0, "mean": 0.35, "se": 0.01,
+                                            "prompts": 8, "samples": 1}
     assert result["heldout"]["greedy"]["mean"] == 0.8
     assert [c for c in calls if c[0] == "eval"] == [("eval", 0.7, 1.0), ("eval", 1.0, evaluation.GREEDY_TOP_P)]
     assert json.loads((tmp_path / "out" / "evaluate.json").read_text())["best_temperature"] == 0.7
+
+
+def test_a_length_control_is_chosen_with_the_temperature_on_validation(tmp_path, monkeypatch):
+    model_cfg = tiny_config(vocab_size=99)
+    model = build_model(model_cfg, torch.device("cpu"), 0, None)
+    save_checkpoint(tmp_path, 0, {"model": model.state_dict(), "model_config": asdict(model_cfg)})
+    greedy_by_length = {"validation": {0: 0.3, 2: 0.5, 4: 0.5}, "eval": {0: 0.2, 2: 0.45, 4: 0.9}}
+    sampled = {"validation": {(0, 0.5): 0.2, (0, 1.0): 0.3, (2, 0.5): 0.6, (2, 1.0): 0.4, (4, 0.5): 0.6,
+                              (4, 1.0): 0.1},
+               "eval": {(2, 0.5): 0.55}}
+    calls = []
+
+    def fake(model, task, tokenizer, split, n, sampling, samples=1, seed=0):
+        calls.append((split, sampling.min_new_tokens, sampling.temperature, sampling.top_p < 1))
+        if sampling.top_p < 1:
+            return Accuracy(greedy_by_length[split][sampling.min_new_tokens], 0.01, n, samples)
+        return Accuracy(sampled[split][(sampling.min_new_tokens, sampling.temperature)], 0.01, n, samples)
+
+    monkeypatch.setattr(evaluate_module, "accuracy", fake)
+    result = evaluate(EvaluateConfig(checkpoint=str(tmp_path), temperatures=(1.0, 0.5), min_new_tokens=(4, 0, 2),
+                                     validation_prompts=8, heldout_prompts=8, out=str(tmp_path / "out")))
+    # a tie between lengths 2 and 4 at T=0.5 goes to the shorter; greedy's own best length too (2, not 4)
+    assert (result["best_min_new_tokens"], result["best_temperature"]) == (2, 0.5)
+    assert result["heldout"]["sampled"]["mean"] == 0.55
+    assert result["heldout"]["greedy"]["mean"] == 0.2
+    assert result["heldout"]["greedy_length"]["min_new_tokens"] == 2
+    assert result["heldout"]["greedy_length"]["mean"] == 0.45  # never the held-out best (length 4: 0.9)
+    assert {c for c in calls if c[0] == "eval"} == {("eval", 2, 0.5, False), ("eval", 0, 1.0, True),
+                                                   ("eval", 2, 1.0, True)}
+    rows = pd.read_csv(tmp_path / "out" / "evaluate.csv")
+    assert len(rows) == 6 + 2 + 3 + 1 and rows["chosen"].sum() == 1 + 2 + 1 + 1
 
 
 def test_a_tie_on_validation_goes_to_the_lower_temperature():
@@ -207,6 +239,8 @@ def test_evaluate_help_documents_its_fields(capsys):
     (["--temperatures", "0.5", "nan"], "temperatures=nan must be a finite number"),
     (["--heldout-prompts", "5000"], "heldout_prompts=5000 is more than the 2048 held-out prompts"),
     (["--samples", "0"], "samples=0 must be > 0"),
+    (["--min-new-tokens", "0", "6"], "min_new_tokens=6 must be < the sampler's max_new_tokens=6"),
+    (["--min-new-tokens", "2", "2"], "min_new_tokens=(2, 2) has a value twice"),
     (["--set", "task.min_termz=7"], "min_termz"),
     (["--set", "task.min_terms=2", "task.max_terms=2"], "no validation prompt"),
 ])
