@@ -1,7 +1,7 @@
 """FSDP2 (`--parallel fsdp2`) on CPU with gloo: one sharded update over two ranks equals the single-process update
-and its probes read what DDP's read, R2 replay on the sharded model reproduces the old pass's log-probs (and a shifted routing changes them while the
-router keeps its gradient), ranks sample different lengths on it, the real command trains with every probe and checkpoints whole tensors, and a resume
-continues bit for bit."""
+and its probes read what DDP's read, R2 replay on the sharded model reproduces the old pass's log-probs (and a
+shifted routing changes them while the router keeps its gradient), ranks sample different lengths on it, the real
+command trains with every probe and checkpoints whole tensors, and a resume continues bit for bit."""
 
 import faulthandler
 import json
@@ -114,8 +114,8 @@ def test_one_fsdp2_update_over_two_ranks_equals_the_single_process_update(tmp_pa
 
 
 FSDP2_ARGS = ["--out-dir", "run", "--total-steps", "2", "--minibatches", "2", "--checkpoint-every", "1",
-              "--keep-every", "1", "--parallel", "fsdp2", "--routing-mode", "R2", "--log.eval-every", "1", "--log.eval-prompts", "8",
-              *TINY_ARGS]
+              "--keep-every", "1", "--parallel", "fsdp2", "--routing-mode", "R2", "--log.eval-every", "1",
+              "--log.eval-prompts", "8", *TINY_ARGS]
 
 
 @pytest.fixture(scope="module")
