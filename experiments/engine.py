@@ -5,22 +5,22 @@ same GRPO sampled by the vLLM engine in fp32 (the zero-mismatch control) and by 
 
 The model is a tiny Hugging Face Qwen3-MoE (the family vLLM serves exactly in fp32: docs/models.md): 4 blocks,
 d_model 64 in 2 attention heads of 32 (1 KV head), 16 experts of width 32, top-4. The task and warm start are the
-long-completion regime's (experiments/long_regime.py: running sums of 4-6 one-digit terms, up to 48 new tokens, 800 SFT steps on a noisy
-demonstrator), so the policy writes worked answers of ~27 characters in which the mismatch can accumulate. What it
-simplifies on purpose: a smaller RL batch than the regime's (16 prompts x 8, 4 minibatches) so that 15 runs fit in
-well under an hour on 2 cores; the held-out evaluation (256 prompts, before RL and after the last step) samples with
-moe-rl's own sampler at the run's precision for every arm (emulated bf16, or fp32 for the control), not with the
-engine. Every run logs the sampler-vs-trainer mismatch each rollout step (`rollout/kl` = k3 per token,
-`rollout/chi2_token`, `rollout/extreme_frac`, `rollout/ess`; `routing/rollout/set_change` per MoE layer, measured
-against the trainer's native routing even under R3): docs/metrics.md.
+long-completion regime's (experiments/long_regime.py: running sums of 4-6 one-digit terms, up to 48 new tokens, 800
+SFT steps on a noisy demonstrator), so the policy writes worked answers of ~27 characters in which the mismatch can
+accumulate. What it simplifies on purpose: a smaller RL batch than the regime's (16 prompts x 8, 4 minibatches) so
+that 15 runs fit in under an hour on 2 cores; the held-out evaluation (256 prompts, before RL and after the last
+step) samples with moe-rl's own sampler at the run's precision for every arm (emulated bf16, or fp32 for the
+control), not with the engine. Every run logs the sampler-vs-trainer mismatch each rollout step (`rollout/kl` = k3
+per token, `rollout/chi2_token`, `rollout/extreme_frac`, `rollout/ess`; `routing/rollout/set_change` per MoE layer,
+measured against the trainer's native routing even under R3): docs/metrics.md.
 
     .venv-vllm/bin/moe-rl sweep engine --workers 2                 # CPU: 5 arms x 3 seeds = 15 runs
     .venv-vllm/bin/moe-rl sweep engine --arg steps=10 --workers 2  # shorter
     moe-rl sweep engine --arg scale=gpu --executor slurm --partition gpu --time 120   # needs `pip install vllm`
 
 The runs need vLLM (`make .venv-vllm/.installed`); without it the plan is refused in one line naming the install.
-CPU, timed (2026-12-06, a 2-core AMD EPYC shared with other jobs, --workers 2): see results/engine/README.md for
-this sweep's minutes (the warm start is 800 SFT steps, a few min; each RL run a few min).
+CPU, timed (2026-12-06, a 2-core AMD EPYC shared with other jobs, load average 4-6, --workers 2): 16 min in all,
+the warm start (800 SFT steps) 222 s, each RL run 53-140 s. results/engine/ holds the study.
 GPU (`scale="gpu"`): the common gpu model as a Qwen3-MoE on the gpu regime's task, the same grid; not yet run.
 """
 
