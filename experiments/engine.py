@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from moe_rl.experiments.common import SCALES
 from moe_rl.experiments.common import model as common_model
+from moe_rl.experiments.long_regime import CPU_MODEL as REGIME_MODEL
 from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
@@ -53,35 +54,42 @@ ARMS = {
 LABELS = {"rollout.engine": "engine", "rollout.sampling.precision": "prec", "correction.is_level": "is",
           "correction.is_cap": "cap"}
 CPU_RL = dict(prompts_per_step=16, group_size=8, lr=1e-4, steps=30, eval_prompts=256)
+# regime="long": the long regime's own native model (64 experts of width 32, top-8), served to vLLM as its exact
+# Mixtral export, with 2 heads of 32 for vLLM's attention, and the regime's RL batch and lr (64 x 8, 5e-5), under
+# which GRPO raised held-out reward with the emulated sampler (experiments/long_regime.py).
+LONG_MODEL = replace(REGIME_MODEL, n_heads=2, n_kv_heads=1)
+REGIMES = ("small", "long")
 
 
-def model(scale: str) -> ModelConfig:
+def model(scale: str, regime: str = "small") -> ModelConfig:
     check_choice("scale", scale, SCALES)
+    check_choice("regime", regime, REGIMES)
     if scale == "cpu":
-        return CPU_MODEL
+        return CPU_MODEL if regime == "small" else LONG_MODEL
     gpu = common_model(scale)
-    return replace(gpu, backend="hf", hf_config="qwen3_moe")
+    return replace(gpu, backend="hf", hf_config="qwen3_moe") if regime == "small" else gpu
 
 
-def engine_base(scale: str, steps: int) -> TrainConfig:
-    """The regime's GRPO run on the Qwen3-MoE model, native sampler in emulated bf16 (arm e; the grid sets the rest)."""
-    base = regime_base(scale, steps=steps or (CPU_RL["steps"] if scale == "cpu" else 0),
-                       lr=CPU_RL["lr"] if scale == "cpu" else 0.0)
+def engine_base(scale: str, steps: int, regime: str = "small") -> TrainConfig:
+    """The regime's GRPO run, native sampler in emulated bf16 (arm e; the grid sets the rest): on the Qwen3-MoE model
+    with a small batch (regime "small"), or on the long regime's own model and batch ("long")."""
+    small = scale == "cpu" and regime == "small"
+    base = regime_base(scale, steps=steps or (CPU_RL["steps"] if small else 0), lr=CPU_RL["lr"] if small else 0.0)
     rollout = base.rollout
-    if scale == "cpu":
+    if small:
         rollout = replace(rollout, prompts_per_step=CPU_RL["prompts_per_step"], group_size=CPU_RL["group_size"])
     # Held-out reward before RL and after the last step only: one evaluation costs about as much as 4 rollout steps.
     log = LogConfig(eval_every=base.total_steps, eval_prompts=CPU_RL["eval_prompts"] if scale == "cpu" else 512,
                     eval_greedy=False, samples_every=10)
     # Only the rollout probe: the mismatch is the subject; the update and staleness probes would double a step.
     probes = replace(base.probes, enabled=("rollout",), sequences=None)
-    return replace(base, model=model(scale), rollout=rollout, log=log, probes=probes)
+    return replace(base, model=model(scale, regime), rollout=rollout, log=log, probes=probes)
 
 
-def engine(scale: str = "cpu", seeds: int = 3, steps: int = 0) -> Experiment:
+def engine(scale: str = "cpu", seeds: int = 3, steps: int = 0, regime: str = "small") -> Experiment:
     """The five arms (ARMS) x `seeds` seeds from one warm start; `steps` 0 takes 30 rollout steps on cpu."""
-    base = engine_base(scale, steps)
+    base = engine_base(scale, steps, regime)
     # Seed first: a sweep stopped part way leaves whole seeds of every arm, the pairs the comparison needs.
     grid = product(axis("seed", range(seeds)), list(ARMS.values()))
-    warm = replace(regime_warm_start(scale), model=model(scale))
+    warm = replace(regime_warm_start(scale), model=model(scale, regime))
     return Experiment(base, grid, warmstart=warm, labels=LABELS)
