@@ -10,9 +10,11 @@ one forward, not the KV-cached decode the native sampler uses (the two round dif
 far below bf16's rounding).
 
     .venv-vllm/bin/python -m moe_rl.experiments.engine_tokens --warm-start sweeps/engine/warmstart/<key> --seeds 0 1 2
+    .venv-vllm/bin/python -m moe_rl.experiments.engine_tokens --regime long \\
+        --warm-start "sweeps/engine,regime=long,steps=10/warmstart/<key>"
 
-CPU: about 1 min per seed on a shared 2-core machine (one 16 x 8 rollout and two forwards). results/engine/ has
-what it printed.
+CPU: under a minute for the three seeds of the small regime on a shared 2-core machine (one 16 x 8 rollout and two
+forwards each), a few minutes for the long regime's 64 x 8. results/engine/ has what it printed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.experiments.engine import engine_base
+from moe_rl.experiments.engine import REGIMES, engine_base
 from moe_rl.model.precision import sampler_numerics
 from moe_rl.rl.correction import mismatch_metrics
 from moe_rl.rl.policy import response_logprobs
@@ -52,8 +54,8 @@ def compare(logp_a_BN, logp_b_BN, trace_a, trace_b, batch: RolloutBatch) -> dict
             "set_change": routing.set_change, "set_change_per_layer": routing.set_change_per_layer}
 
 
-def measure_seed(warm: Path, seed: int) -> dict:
-    base = engine_base("cpu", steps=1)
+def measure_seed(warm: Path, seed: int, regime: str = "small") -> dict:
+    base = engine_base("cpu", steps=1, regime=regime)
     rollout = replace(base.rollout, engine="vllm")
     # out_dir is required by the Trainer but never written: nothing here saves or logs.
     cfg = replace(base, out_dir=str(warm.parent / "unused"), init_from=str(warm / "checkpoints" / "latest.pt"),
@@ -77,10 +79,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm-start", type=Path, required=True, help="the engine sweep's warm start run folder")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="sampling seeds, one batch each")
+    parser.add_argument("--regime", choices=REGIMES, default="small", help="the engine experiment's regime")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for seed in args.seeds:
-        print(json.dumps(measure_seed(args.warm_start, seed)), flush=True)
+        print(json.dumps(measure_seed(args.warm_start, seed, args.regime)), flush=True)
 
 
 if __name__ == "__main__":

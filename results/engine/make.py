@@ -1,7 +1,7 @@
 """Rebuild results/engine/ (runs.csv, tables.md, three figures) from the `engine` sweep's folder.
 
-    .venv/bin/python results/engine/make.py sweeps/engine            # writes into results/engine/
-    .venv/bin/python results/engine/make.py sweeps/engine --out /tmp/engine
+    .venv/bin/python results/engine/make.py sweeps/engine "sweeps/engine,regime=long,steps=10"   # results/engine/
+    .venv/bin/python results/engine/make.py sweeps/engine --out /tmp/engine                       # one regime
 
 Reads every run with moe_rl.analysis.load.load_runs, names its arm from its config (ARMS below), and summarises
 each run's metrics three ways: at rollout step 0 (every arm's weights are the warm start's, its prompts the
@@ -195,92 +195,121 @@ def arm_steps(sweep: Path) -> pd.DataFrame:
     return steps.merge(data.runs.assign(arm=arm_of(data.runs))[["run", "arm"]], on="run")
 
 
-def figure_mismatch_over_steps(steps: pd.DataFrame, out: Path) -> None:
-    """k3 per token and router set change over rollout steps, per arm (mean over seeds, band = min-max)."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((axes[0], "rollout/kl", "k3 per token (sampler vs trainer), log scale"),
-                              (axes[1], "routing/rollout/set_change", "router decisions that differ")):
-        for arm in ARMS.values():
-            by_step = steps[steps["arm"] == arm].groupby("step")[metric]
-            mean, low, high = by_step.mean(), by_step.min(), by_step.max()
-            if metric == "rollout/kl":
-                mean, low, high = (s.clip(lower=1e-16) for s in (mean, low, high))
-            ax.plot(mean.index, mean, color=COLORS[arm], label=arm)
-            ax.fill_between(mean.index, low, high, color=COLORS[arm], alpha=0.2, linewidth=0)
-        ax.set_xlabel("rollout step")
-        ax.set_ylabel(label)
-    axes[0].set_yscale("log")
-    axes[0].set_title("Token log-prob mismatch")
-    axes[1].set_title("Routing mismatch (vs the trainer's native routing)")
-    axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
+def regime_name(sweep: Path) -> str:
+    """The regime a sweep ran, from its first run's config: 'small' (the Qwen3-MoE default) or 'long'."""
+    config = json.loads(next((sweep / "runs").glob("*/config.json")).read_text())
+    return "small" if config["model"]["backend"] == "hf" else "long"
+
+
+REGIME_TITLES = {"small": "small regime: Qwen3-MoE, 16 experts top-4, 30 steps of 16 x 8",
+                 "long": "long regime: native model, 64 experts top-8, 10 steps of 64 x 8"}
+
+
+def figure_mismatch_over_steps(regimes: dict, out: Path) -> None:
+    """k3 per token and router set change over rollout steps, per arm (mean over seeds, band = min-max); one row of
+    panels per regime."""
+    fig, axes = plt.subplots(len(regimes), 2, figsize=(11, 3.8 * len(regimes)), squeeze=False)
+    for row, (regime, (_, steps)) in zip(axes, regimes.items(), strict=True):
+        for ax, metric, label in ((row[0], "rollout/kl", "k3 per token, log scale"),
+                                  (row[1], "routing/rollout/set_change", "router decisions that differ")):
+            for arm in ARMS.values():
+                by_step = steps[steps["arm"] == arm].groupby("step")[metric]
+                mean, low, high = by_step.mean(), by_step.min(), by_step.max()
+                if metric == "rollout/kl":
+                    mean, low, high = (s.clip(lower=1e-16) for s in (mean, low, high))
+                ax.plot(mean.index, mean, color=COLORS[arm], label=arm)
+                ax.fill_between(mean.index, low, high, color=COLORS[arm], alpha=0.2, linewidth=0)
+            ax.set_xlabel("rollout step")
+            ax.set_ylabel(label)
+        row[0].set_yscale("log")
+        row[0].set_title(f"Token mismatch ({regime} regime)")
+        row[1].set_title(f"Routing mismatch vs the trainer's native routing ({regime})")
+    axes[0][1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     fig.suptitle("Sampler vs trainer mismatch per rollout step (line: mean of 3 seeds; band: lowest to highest seed)")
     fig.tight_layout()
     fig.savefig(out / "mismatch_over_steps.png", dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
-def figure_real_vs_emulated_layers(summary: pd.DataFrame, out: Path) -> None:
-    """Set change per MoE layer and k3, real engine vs emulation, at step 0 and over steps, with seed points."""
-    layers = sorted(m for m in summary["metric"].unique() if m.startswith("routing/rollout/set_change/L"))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
-    x = np.arange(len(layers))
-    for shift, arm in ((-0.2, REAL), (0.2, EMULATED)):
-        means = [values(summary, arm, m, "mean") for m in layers]
-        axes[0].bar(x + shift, [v.mean() for v in means], width=0.38, color=COLORS[arm], alpha=0.7, label=arm)
-        for i, v in enumerate(means):
-            axes[0].scatter(np.full(len(v), x[i] + shift), v, color="black", s=10, zorder=3)
-        k3 = values(summary, arm, "rollout/kl", "mean")
-        axes[1].bar(shift * 2.5, k3.mean(), width=0.9, color=COLORS[arm], alpha=0.7)
-        axes[1].scatter(np.full(len(k3), shift * 2.5), k3, color="black", s=10, zorder=3)
-    axes[0].set_xticks(x, [f"MoE layer {m.rsplit('L', 1)[1]}" for m in layers])
-    axes[0].set_ylabel("router decisions that differ, mean over steps")
-    axes[0].set_title("Routing mismatch per layer (bars: mean of 3 seeds; dots: seeds)")
-    axes[0].legend(frameon=False)
-    axes[1].set_xticks([-0.5, 0.5], ["vLLM bf16", "emulated bf16"])
-    axes[1].set_ylabel("k3 per token, mean over steps")
-    axes[1].set_title("Token mismatch")
+def figure_real_vs_emulated_layers(regimes: dict, out: Path) -> None:
+    """Set change per MoE layer and k3, real engine vs emulation, means over steps, with seed points; one row per
+    regime."""
+    fig, axes = plt.subplots(len(regimes), 2, figsize=(11, 3.8 * len(regimes)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]})
+    for row, (regime, (summary, _)) in zip(axes, regimes.items(), strict=True):
+        layers = sorted(m for m in summary["metric"].unique() if m.startswith("routing/rollout/set_change/L"))
+        x = np.arange(len(layers))
+        for shift, arm in ((-0.2, REAL), (0.2, EMULATED)):
+            means = [values(summary, arm, m, "mean") for m in layers]
+            row[0].bar(x + shift, [v.mean() for v in means], width=0.38, color=COLORS[arm], alpha=0.7, label=arm)
+            for i, v in enumerate(means):
+                row[0].scatter(np.full(len(v), x[i] + shift), v, color="black", s=10, zorder=3)
+            k3 = values(summary, arm, "rollout/kl", "mean")
+            row[1].bar(shift * 2.5, k3.mean(), width=0.9, color=COLORS[arm], alpha=0.7)
+            row[1].scatter(np.full(len(k3), shift * 2.5), k3, color="black", s=10, zorder=3)
+        row[0].set_xticks(x, [f"MoE layer {m.rsplit('L', 1)[1]}" for m in layers])
+        row[0].set_ylabel("router decisions that differ")
+        row[0].set_title(f"Routing mismatch per layer, mean over steps ({regime} regime)")
+        row[0].legend(frameon=False, loc="upper left")
+        row[1].set_xticks([-0.5, 0.5], ["vLLM bf16", "emulated bf16"])
+        row[1].set_ylabel("k3 per token")
+        row[1].set_title(f"Token mismatch ({regime})")
+    fig.suptitle("The real engine against the emulation (bars: mean of 3 seeds; dots: seeds)")
     fig.tight_layout()
     fig.savefig(out / "real_vs_emulated.png", dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
-def figure_reward(summary: pd.DataFrame, out: Path) -> None:
-    """Held-out reward before RL and after it per arm, seeds joined by lines."""
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for i, arm in enumerate(ARMS.values()):
-        before, after = values(summary, arm, "eval/reward", "step0"), values(summary, arm, "eval/reward", "last")
-        for seed in after.index:
-            ax.plot([i - 0.15, i + 0.15], [before[seed], after[seed]], color=COLORS[arm], marker="o", alpha=0.8)
-    ax.set_xticks(range(len(ARMS)), [arm.replace(", ", ",\n") for arm in ARMS.values()])
-    ax.set_ylabel("held-out reward (256 prompts, sampled)")
-    ax.set_title("Held-out reward: before RL (left point) and after 30 rollout steps (right), one line per seed")
+def figure_reward(regimes: dict, out: Path) -> None:
+    """Held-out reward before RL and after it per arm, seeds joined by lines; one panel per regime."""
+    fig, axes = plt.subplots(1, len(regimes), figsize=(7.5 * len(regimes), 4.2), squeeze=False)
+    for ax, (regime, (summary, _)) in zip(axes[0], regimes.items(), strict=True):
+        for i, arm in enumerate(ARMS.values()):
+            before, after = values(summary, arm, "eval/reward", "step0"), values(summary, arm, "eval/reward", "last")
+            for seed in after.index:
+                ax.plot([i - 0.15, i + 0.15], [before[seed], after[seed]], color=COLORS[arm], marker="o", alpha=0.8)
+        ax.set_xticks(range(len(ARMS)), [arm.replace(", ", ",\n") for arm in ARMS.values()], fontsize=8)
+        ax.set_ylabel("held-out reward (256 prompts, sampled)")
+        ax.set_title(REGIME_TITLES[regime], fontsize=10)
+    fig.suptitle("Held-out reward before RL (left point) and after it (right point), one line per seed")
     fig.tight_layout()
     fig.savefig(out / "reward.png", dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", type=Path, help="the engine sweep's folder (sweeps/engine)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="where to write (results/engine)")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    steps = arm_steps(args.sweep)
-    summary = add_last5(run_summaries(args.sweep), {run: f.sort_values("step")["reward"]
-                                                    for run, f in steps.groupby("run")})
-    summary.to_csv(args.out / "runs.csv", index=False, float_format="%.6g")
-    tables = ["## Item 4: vLLM bf16 engine vs emulated bf16, paired by seed", real_vs_emulated_table(summary),
+def regime_tables(regime: str, summary: pd.DataFrame, out: Path) -> list[str]:
+    tables = [f"# {REGIME_TITLES[regime]}",
+              "## Item 4: vLLM bf16 engine vs emulated bf16, paired by seed", real_vs_emulated_table(summary),
               "## Mismatch per arm (mean over rollout steps)", mismatch_table(summary),
               "## Each bf16 arm's mismatch against (a)'s, ratio of means over steps, paired by seed",
               ratio_table(summary),
               "## Held-out reward", reward_table(summary)]
-    if (args.out / "same_tokens.jsonl").is_file():
-        tables[2:2] = ["## Item 4 on the same tokens: the engine's batch scored by the emulation (seeds 0-2)",
-                       same_tokens_table(args.out / "same_tokens.jsonl")]
+    same_tokens = out / ("same_tokens.jsonl" if regime == "small" else f"same_tokens_{regime}.jsonl")
+    if same_tokens.is_file():
+        tables[3:3] = ["## Item 4 on the same tokens: the engine's batch scored by the emulation",
+                       same_tokens_table(same_tokens)]
+    return tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweeps", type=Path, nargs="+", help="the engine sweeps' folders (sweeps/engine, ...)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="where to write (results/engine)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    regimes = {}
+    for sweep in args.sweeps:
+        steps = arm_steps(sweep)
+        summary = add_last5(run_summaries(sweep), {run: f.sort_values("step")["reward"]
+                                                   for run, f in steps.groupby("run")})
+        regimes[regime_name(sweep)] = (summary, steps)
+    runs = pd.concat([summary.assign(regime=regime) for regime, (summary, _) in regimes.items()], ignore_index=True)
+    runs.to_csv(args.out / "runs.csv", index=False, float_format="%.6g")
+    tables = [table for regime, (summary, _) in regimes.items() for table in regime_tables(regime, summary, args.out)]
     (args.out / "tables.md").write_text("\n\n".join(tables) + "\n")
-    figure_mismatch_over_steps(steps, args.out)
-    figure_real_vs_emulated_layers(summary, args.out)
-    figure_reward(summary, args.out)
+    figure_mismatch_over_steps(regimes, args.out)
+    figure_real_vs_emulated_layers(regimes, args.out)
+    figure_reward(regimes, args.out)
     print((args.out / "tables.md").read_text())
 
 
