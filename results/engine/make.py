@@ -92,10 +92,10 @@ def mean_ci_text(x: pd.Series, fmt: str = ".3g") -> str:
 
 def ratio_ci_text(a: pd.Series, b: pd.Series) -> str:
     """Geometric mean of the per-seed ratios a / b with its 95% t interval (computed on the log-ratios)."""
-    with np.errstate(divide="ignore", invalid="ignore"):  # a ratio of a zero or negative estimate has no log
-        logs = np.log(a / b).replace([np.inf, -np.inf], np.nan).dropna().to_numpy()
-    if len(logs) < 2:
-        return "n/a"
+    ratios = (a / b).to_numpy()
+    if len(ratios) < 2 or not (np.isfinite(ratios) & (ratios > 0)).all():
+        return "n/a"  # a zero or negative estimate (no extreme token in a batch, a chi2 below 0) has no log-ratio
+    logs = np.log(ratios)
     low, high = t_ci(logs)
     return f"{math.exp(logs.mean()):.2f} [{math.exp(low):.2f}, {math.exp(high):.2f}]"
 
