@@ -72,7 +72,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-engine: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rl/test_engines.py tests/rl/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rl/test_engines.py tests/rl/test_vllm_engine.py \
+		tests/sweep/test_experiments.py -k engine
 
 # The CPU expert-churn reproduction (time: experiments/churn_repro.py; under 30 min on 2 cores): the churn_repro sweep,
 # its report into outputs/churn_repro, then, per cell, whether each new value lies inside the committed 95% CI over

@@ -15,12 +15,16 @@ per token, `rollout/chi2_token`, `rollout/extreme_frac`, `rollout/ess`; `routing
 measured against the trainer's native routing even under R3): docs/metrics.md.
 
     .venv-vllm/bin/moe-rl sweep engine --workers 2                 # CPU: 5 arms x 3 seeds = 15 runs
-    .venv-vllm/bin/moe-rl sweep engine --arg steps=10 --workers 2  # shorter
+    .venv-vllm/bin/moe-rl sweep engine --arg regime=long --arg steps=10 --workers 2   # where GRPO learns
     moe-rl sweep engine --arg scale=gpu --executor slurm --partition gpu --time 120   # needs `pip install vllm`
 
 The runs need vLLM (`make .venv-vllm/.installed`); without it the plan is refused in one line naming the install.
-CPU, timed (2026-12-06, a 2-core AMD EPYC shared with other jobs, load average 4-6, --workers 2): 16 min in all,
-the warm start (800 SFT steps) 222 s, each RL run 53-140 s. results/engine/ holds the study.
+`--arg regime=long` runs the same arms on the long regime's own native model (64 experts top-8, 2 heads of 32),
+served to vLLM as its Mixtral export, with the regime's batch and lr (64 x 8, 5e-5), where GRPO learns.
+
+CPU, timed (2026-12-06, a 2-core AMD EPYC shared with other jobs, load average 4-8, --workers 2): 16 min in all,
+the warm start (800 SFT steps) 222 s, each RL run 53-140 s; `--arg regime=long --arg steps=10`: 15 min, runs
+46-94 s. results/engine/ holds the study.
 GPU (`scale="gpu"`): the common gpu model as a Qwen3-MoE on the gpu regime's task, the same grid; not yet run.
 """
 

