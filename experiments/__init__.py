@@ -11,6 +11,8 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, see doc |
 | `length_generalisation`| does RL beat the best-temperature warm start (7-term sums from 4-6)     | 5 runs, see doc  |
 | `stability`            | the stability map: 6 methods x lr and staleness, one axis at a time     | 162 runs, ~11 h  |
+| `engine`               | GRPO / +R3 / +TIS with a real vLLM bf16 engine vs its fp32 control and  | 15 runs, see doc |
+|                        | the emulated bf16 sampler; does the emulation predict the mismatch      |                  |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
 
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from moe_rl.experiments.ablations import ablations
 from moe_rl.experiments.churn_repro import churn_repro
 from moe_rl.experiments.correction import correction
+from moe_rl.experiments.engine import engine
 from moe_rl.experiments.length_generalisation import length_generalisation
 from moe_rl.experiments.objective_comparison import objective_comparison
 from moe_rl.experiments.smoke import smoke
@@ -32,7 +35,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 
 EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress, correction,
-                                           length_generalisation, stability)}
+                                           length_generalisation, stability, engine)}
 
 
 def get_experiment(name: str) -> Callable[..., Experiment]:
@@ -42,5 +45,5 @@ def get_experiment(name: str) -> Callable[..., Experiment]:
     return EXPERIMENTS[name]
 
 
-__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "correction", "length_generalisation",
+__all__ = ["EXPERIMENTS", "get_experiment", "ablations", "churn_repro", "correction", "engine", "length_generalisation",
            "objective_comparison", "smoke", "stability", "stress"]

@@ -74,8 +74,8 @@ class CorrectionConfig:
 
     def validate(self) -> None:
         """Refuse a bad combination with a ConfigError naming the fields. `moe-rl train` calls this before it
-        writes anything (moe_rl.commands.train.check_inputs: one line on stderr, exit 2; an error raised while tyro builds
-        the config would come out in tyro's box instead), and so does rollout_correction."""
+        writes anything (moe_rl.commands.train.check_inputs: one line on stderr, exit 2; an error raised while tyro
+        builds the config would come out in tyro's box instead), and so does rollout_correction."""
         check_choice("correction.is_level", self.is_level, IS_LEVELS)
         if self.is_cap is not None and self.is_band is not None:
             raise ConfigError("correction.is_cap and correction.is_band cannot be combined: choose truncation (TIS) "
@@ -244,7 +244,16 @@ def mismatch_metrics(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[
         "rollout/ppl_ratio": masked_mean((-masked_mean(r_BT, mask_BT, dim=1)).exp(), seq_B).item()
         if seq_B.any() else 1.0,
         "rollout/extreme_frac": masked_mean(extreme_BT, mask_BT).item(),
+        "rollout/ess": normalised_ess(rho_BT[mask_BT]),
     }
+
+
+def normalised_ess(weights_N: torch.Tensor) -> float:
+    """(sum w)^2 / (n sum w^2) of n importance weights: 1 when all are equal (no mismatch), 1/n when one carries
+    all the weight; 1 with no weights (nothing to correct). The weights are exp of clamped log-ratios, so > 0."""
+    if weights_N.numel() == 0:
+        return 1.0
+    return weights_N.sum().item() ** 2 / (weights_N.numel() * weights_N.square().sum().item())
 
 
 def corrected_loss_inputs(advantages_B: torch.Tensor, mask_BT: torch.Tensor, corr: Correction):
@@ -252,7 +261,8 @@ def corrected_loss_inputs(advantages_B: torch.Tensor, mask_BT: torch.Tensor, cor
     signature. Each objective's term is positively homogeneous in the advantage (term(c A) = c term(A) for c >= 0:
     the PPO clip's branch depends only on A's sign), so scaling A_it by w_it >= 0 multiplies the token's term by
     w_it; for the sequence-level objectives (gspo, gmpo) A_i becomes the token mean of A_i w_it, i.e. the sequence
-    term times its tokens' mean weight (docs/design.md section 10; tests/rl/test_correction.py checks every objective)."""
+    term times its tokens' mean weight (docs/design.md section 10; tests/rl/test_correction.py checks every
+    objective)."""
     keep_BT = as_bool_mask(mask_BT) & corr.keep_BT
     advantages_BT = advantages_B[:, None].to(corr.weights_BT.dtype) * corr.weights_BT
     return torch.where(keep_BT, advantages_BT, 0.0), keep_BT

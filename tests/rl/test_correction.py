@@ -184,6 +184,10 @@ def test_mismatch_metrics_by_hand():
     assert m["rollout/ppl_ratio"] == pytest.approx((1 + 1 / 3) / 2)  # exp(-mean r) per sequence
     assert m["rollout/extreme_frac"] == pytest.approx(1 / 3)  # 3 > 2; 2 and 0.5 are not beyond the bounds
     assert m["rollout/log_ratio_abs_mean"] == pytest.approx(sum(map(abs, tokens)) / 3)
+    # normalised ESS of the raw ratios 2, 0.5, 3: (5.5)^2 / (3 * (4 + 0.25 + 9)) = 30.25 / 39.75
+    assert m["rollout/ess"] == pytest.approx(30.25 / 39.75)
+    assert mismatch_metrics(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool))["rollout/ess"] == 1.0
+    assert mismatch_metrics(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool))["rollout/ess"] == 1.0
 
 
 # -- the flags ---------------------------------------------------------------------------------------------------

