@@ -1,7 +1,8 @@
 """The `moe-rl` command: one subcommand per entry point, each config parsed by tyro (so `--help` documents
 every field).
 
-    moe-rl sft   --help        supervised warm start
+    moe-rl --version           moe-rl <version>
+    moe-rl sft   --help        supervised warm start (train's names: --total-steps, --optim.*, --log.*)
     moe-rl train --help        RL on the native MoE model
     moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config (JSON or YAML), flags override
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
@@ -97,7 +98,8 @@ COMMANDS: dict[str, Command] = {
 
 
 def usage() -> str:
-    lines = ["usage: moe-rl <command> [--help] [options]", "", "commands:"]
+    lines = ["usage: moe-rl <command> [--help] [options]   (moe-rl --version: the installed version)", "",
+             "commands:"]
     lines += [f"  {name:<8} {cmd.summary}" for name, cmd in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"moe-rl {version()}")
         return 0
     _never_fail_to_print()
     name, rest = argv[0], argv[1:]
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     takes_file = name in ("train", "sft")
     running = False
     try:
+        check_renamed_flags(name, rest)
         rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
         cfg = _parse(tyro, config_class, rest, name, defaults, module_doc + (CONFIG_FILE_HELP if takes_file else ""))
         _check_environment()
@@ -156,6 +162,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    from importlib.metadata import version as installed_version
+
+    return installed_version("moe-rl")
+
+
+def check_renamed_flags(name: str, args: list[str]) -> None:
+    """A flag spelled as before sft took train's names (--steps, --lr, --trackers, ...): one ConfigError naming the
+    flag's name now, rather than tyro's unknown-flag box."""
+    if name != "sft":
+        return
+    from moe_rl.rl.run_config import SFT_RENAMED_FLAGS
+
+    for arg in args:
+        if arg == "--":
+            return
+        flag = arg.partition("=")[0].replace("_", "-") if arg.startswith("--") else ""
+        old = flag if flag in SFT_RENAMED_FLAGS else flag.rpartition(".")[0]  # --wandb.project -> --wandb
+        if old in SFT_RENAMED_FLAGS:
+            new = SFT_RENAMED_FLAGS[old] + flag[len(old):]
+            raise ConfigError(f"{arg.partition('=')[0]} is now {new} (sft takes train's names for the flags they "
+                              "share)")
 
 
 def _check_environment() -> None:

@@ -137,9 +137,8 @@ def _apply_overrides(spec: Experiment, overrides: dict[str, Any]):
 
 
 def in_wandb_group(cfg, group: str):
-    """`cfg` with its W&B group set to the sweep's name, unless `--set log.wandb.group=...` chose one."""
-    if isinstance(cfg, SFTConfig):
-        return cfg if cfg.wandb.group else dataclasses.replace(cfg, wandb=dataclasses.replace(cfg.wandb, group=group))
+    """`cfg` (train's or sft's: both keep it under log.wandb) with its W&B group set to the sweep's name, unless
+    `--set log.wandb.group=...` chose one."""
     if cfg.log.wandb.group:
         return cfg
     return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, wandb=dataclasses.replace(cfg.log.wandb,

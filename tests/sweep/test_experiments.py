@@ -166,4 +166,4 @@ def test_smoke_is_tiny():
     plan = plan_sweep(get_experiment("smoke"), "/tmp/unused")
     assert 2 <= len(plan.runs) <= 4
     assert all(r.config.total_steps <= 2 and r.config.model.n_layers <= 2 for r in plan.runs)
-    assert all(w.steps <= 20 for w in plan.warmstarts.values())
+    assert all(w.total_steps <= 20 for w in plan.warmstarts.values())

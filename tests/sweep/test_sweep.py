@@ -18,7 +18,7 @@ from moe_rl.experiments import get_experiment
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.rl.overrides import coerce, from_dict, with_overrides
-from moe_rl.rl.run_config import OptimConfig, SFTConfig
+from moe_rl.rl.run_config import OptimConfig, SFTConfig, SFTLogConfig
 from moe_rl.rl.trainer import Trainer
 from moe_rl.runs.runlog import config_to_dict, read_manifest
 from moe_rl.sweep.command import plan_sweep, print_plan
@@ -34,7 +34,8 @@ def experiment(grid, *, warm=False, labels=None, **overrides):
     def tiny() -> Experiment:
         base = tiny_train_config("unused", **{"total_steps": 2, "checkpoint_every": 1, "model": ModelConfig(**TINY),
                                               **overrides})
-        warmstart = SFTConfig(steps=5, batch_size=8, eval_every=5, eval_prompts=4, model=ModelConfig(**TINY))
+        warmstart = SFTConfig(total_steps=5, batch_size=8, log=SFTLogConfig(eval_every=5, eval_prompts=4),
+                              model=ModelConfig(**TINY))
         return Experiment(base, grid, warmstart=warmstart if warm else None, labels=labels or {})
 
     return tiny
@@ -97,8 +98,8 @@ def test_architecture_overrides_get_one_warm_start_each(tmp_path):
     for run in plan.runs:
         assert plan.warmstarts[run.warmstart].model.n_layers == run.config.model.n_layers
         assert run.config.init_from.startswith(str(tmp_path / "s" / "warmstart" / run.warmstart))
-    changed = plan_sweep(experiment(grid, warm=True), tmp_path / "s", overrides={"sft.steps": "7"})
-    assert all(w.steps == 7 for w in changed.warmstarts.values())
+    changed = plan_sweep(experiment(grid, warm=True), tmp_path / "s", overrides={"sft.total_steps": "7"})
+    assert all(w.total_steps == 7 for w in changed.warmstarts.values())
     assert set(changed.warmstarts).isdisjoint(plan.warmstarts)  # the key follows the warm start's config
 
 

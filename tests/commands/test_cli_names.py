@@ -1,0 +1,46 @@
+"""One CLI: `moe-rl --version`, and sft spelling the flags it shares with train as train does (an old spelling is one
+line naming the new one). In-process calls of moe_rl.cli.main: nothing here trains."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+from moe_rl.cli import main
+from moe_rl.rl.run_config import SFT_RENAMED_FLAGS, SFTConfig, TrainConfig
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_installed_version(capsys, flag):
+    assert main([flag]) == 0
+    assert capsys.readouterr().out == f"moe-rl {version('moe-rl')}\n"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    (["--steps", "3"], "--total-steps"),
+    (["--lr=1e-3"], "--optim.lr"),
+    (["--grad_clip", "0"], "--optim.grad-clip"),
+    (["--eval-every", "5"], "--log.eval-every"),
+    (["--print-every", "1"], "--log.print-every"),
+    (["--trackers", "wandb"], "--log.trackers"),
+    (["--wandb.project", "p"], "--log.wandb.project"),
+])
+def test_sft_refuses_an_old_spelling_naming_the_new_one(capsys, tmp_path, old, new):
+    assert main(["sft", "--out-dir", str(tmp_path / "run"), *old]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is now {new} " in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_sft_shares_trains_names_for_steps_optimizer_and_logging():
+    """Every renamed flag's new name is a field of SFTConfig, and every one of them but print_every (train prints each
+    rollout step) is a field of TrainConfig too: one spelling across the two commands."""
+    from moe_rl.rl.overrides import field_paths
+
+    sft_fields, train_fields = set(field_paths(SFTConfig)), set(field_paths(TrainConfig))
+    for new in SFT_RENAMED_FLAGS.values():
+        path = new.removeprefix("--").replace("-", "_")
+        assert path in sft_fields or path == "log.wandb", path
+        assert path in train_fields or path in ("log.print_every", "log.wandb"), path
+    assert "log.wandb.project" in sft_fields and "log.wandb.project" in train_fields
