@@ -47,7 +47,7 @@ from moe_rl.runs.runlog import config_to_dict
 from moe_rl.sweep.config import SweepConfig
 from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
-from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
+from moe_rl.sweep.plan import PlannedRun, SweepPlan, sft_key_form, stable_config
 from moe_rl.sweep.sweepdir import (
     INDEX_CSV,
     RUNS,
@@ -158,24 +158,6 @@ def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path,
     m = cfg.model
     key = f"L{m.n_layers}-E{m.n_experts}-K{m.top_k}-D{m.d_model}-{digest}"
     return key, dataclasses.replace(cfg, out_dir=str(sweep_dir / WARMSTART / key))
-
-
-# The warm start's fields under their names before sft took train's (total_steps was steps, optim.lr was lr, ...),
-# and the AdamW constants it had then: a warm start's key hashes that form, so that the keys of existing sweeps and of
-# the committed studies (results/*, e.g. L8-E64-K8-D64-fa72a8a6) name the same warm starts as before.
-SFT_KEY_FIELDS = {"optim": ("lr", "warmup_steps", "weight_decay", "grad_clip"),
-                  "log": ("eval_every", "eval_prompts", "print_every", "trackers", "wandb")}
-SFT_OLD_CONSTANTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-
-
-def sft_key_form(config: Mapping[str, Any]) -> dict[str, Any]:
-    """An SFT config's JSON form in the layout its key has always hashed: total_steps as steps, the optim and log
-    fields at the top; optim's other fields (betas, eps) only where they differ from the constants of that time."""
-    flat = {("steps" if k == "total_steps" else k): v for k, v in config.items() if k not in SFT_KEY_FIELDS}
-    for group, names in SFT_KEY_FIELDS.items():
-        flat.update({name: config[group][name] for name in names})
-    changed = {k: v for k, v in config["optim"].items() if k in SFT_OLD_CONSTANTS and v != SFT_OLD_CONSTANTS[k]}
-    return {**flat, "optim": changed} if changed else flat
 
 
 def _check_distinct(runs: list[PlannedRun]) -> None:
