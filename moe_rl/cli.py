@@ -8,7 +8,7 @@ every field).
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
     moe-rl evaluate --help     a checkpoint at its best sampling temperature (chosen on validation) and greedy
     moe-rl export --help       a checkpoint as a Hugging Face model folder (from_pretrained, vLLM)
-    moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
+    moe-rl sweep --help        a named experiment (or an ad-hoc --grid) as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
 """
 
@@ -92,7 +92,8 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command("held-out accuracy at the best temperature on validation, and greedy: the baseline row",
                         _evaluate),
     "export": Command("a checkpoint as a Hugging Face model folder: config, safetensors, tokenizer", _export),
-    "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
+    "sweep": Command("a named experiment (experiments/) or an ad-hoc --grid as a sweep of runs: local or SLURM",
+                     _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
 }
 
@@ -332,8 +333,9 @@ def _run_dir_of(path: str):
     return folder if is_run_manifest(manifest) else None
 
 
-def read_config_file(path: str) -> dict:
-    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming the file and line."""
+def read_config_file(path: str, flag: str = "--config-file") -> dict:
+    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming `flag`, the file and
+    the line."""
     import json
 
     import yaml
@@ -342,18 +344,18 @@ def read_config_file(path: str) -> dict:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config-file {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
+        raise ConfigError(f"{flag} {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"--config-file {path}:{err.lineno}: not valid JSON ({err.msg})") from None
+        raise ConfigError(f"{flag} {path}:{err.lineno}: not valid JSON ({err.msg})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"--config-file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
+        raise ConfigError(f"{flag} {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
             from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config-file {path}: expected a mapping of config fields, got {type(data).__name__}")
+        raise ConfigError(f"{flag} {path}: expected a mapping of config fields, got {type(data).__name__}")
     return data
 
 

@@ -44,6 +44,8 @@ class SweepPlan:
     sweep_dir: Path
     runs: list[PlannedRun]
     warmstarts: dict[str, SFTConfig]
+    grid: dict[str, list] | None = None
+    """An ad-hoc sweep's axes (`--grid`, moe_rl.sweep.adhoc); None for a named experiment."""
 
     def swept(self) -> dict[str, list]:
         """Each swept field and its distinct values, in order of first appearance."""
@@ -80,7 +82,9 @@ class SweepPlan:
         """The `moe-rl sweep` command line that makes this plan again."""
         args = [f"{k}={_cli_value(v)}" for k, v in self.arguments.items()]
         sets = [f"{k}={_cli_value(v)}" for k, v in self.overrides.items()]
-        return shlex.join(["moe-rl", "sweep", self.experiment, *(["--arg", *args] if args else []),
+        what = [self.experiment] if self.grid is None else ["--grid", *(
+            f"{k}={','.join(map(_cli_value, values))}" for k, values in self.grid.items())]
+        return shlex.join(["moe-rl", "sweep", *what, *(["--arg", *args] if args else []),
                            *(["--set", *sets] if sets else [])])
 
     def to_json(self) -> dict[str, Any]:
