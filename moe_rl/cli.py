@@ -10,6 +10,7 @@ every field).
     moe-rl export --help       a checkpoint as a Hugging Face model folder (from_pretrained, vLLM)
     moe-rl sweep --help        a named experiment (or an ad-hoc --grid) as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
+    moe-rl stability --help    the stability map of a stability sweep, or of report folders (analysis/stability.py)
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def _sweep():
     return SweepConfig, partial(sweep_command, experiments=EXPERIMENTS)
 
 
+def _stability():
+    from moe_rl.analysis.stability import StabilityConfig, stability_map
+
+    return StabilityConfig, stability_map
+
+
 def _report():
     from moe_rl.analysis.report import ReportConfig, report
 
@@ -95,13 +102,15 @@ COMMANDS: dict[str, Command] = {
     "sweep": Command("a named experiment (experiments/) or an ad-hoc --grid as a sweep of runs: local or SLURM",
                      _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
+    "stability": Command("the stability map of a stability sweep or of report folders (STABILITY.md, tables)",
+                         _stability),
 }
 
 
 def usage() -> str:
     lines = ["usage: moe-rl <command> [--help] [options]   (moe-rl --version: the installed version)", "",
              "commands:"]
-    lines += [f"  {name:<8} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines += [f"  {name:<9} {cmd.summary}" for name, cmd in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ on stderr).
     step 12/50  reward 0.438  eval 0.406  churn 0.091  kl 2.1e-04  1.83 s/step  ETA 1m10s
     step  1/50  reward 0.000  churn 0.041  kl 0.00e+00  no RL signal  1.83 s/step  ETA 1m30s
       no RL signal: every group's rewards were equal, so ... (once, the first time: where that churn comes from)
+    final evaluation (held-out, 64 prompts, after step 50): reward 0.422 +- 0.031, greedy 0.453 +- 0.031
     finished: 50 steps in 1m32s -> runs/grpo
     diverged at step 7: non-finite loss (nan) or gradient norm (nan) at step 7, minibatch 2 -> runs/grpo
     interrupted at step 3; resume with: moe-rl train --config-file runs/grpo/config.json --resume
@@ -60,6 +61,11 @@ class Progress:
             self.explained.add(kind)
             say(f"  {kind}: {NOTE_EXPLANATIONS[kind]}")
 
+    def line(self, text: str) -> None:
+        """A line of its own among the progress lines (silenced by quiet like them)."""
+        if not self.quiet:
+            say(text)
+
     def end(self, status: str, run_dir: str, step: int, reason: str | None = None) -> None:
         """The last line: how the run ended, and where it lives."""
         if status == "diverged":
@@ -85,6 +91,19 @@ def rl_step_fields(lines: Iterable[Mapping]) -> dict[str, float | None]:
 
     return {"reward": first("reward"), "eval": first("eval/reward"), "churn": mean("routing/update/churn"),
             "kl": mean("kl")}
+
+
+def final_eval_line(line: Mapping, step: int, prompts: int) -> str:
+    """The held-out evaluation after training in one line: sampled reward and greedy accuracy, each +- its SE over
+    prompts (moe_rl.rl.heldout); greedy only when it was measured."""
+    def reading(name: str, key: str) -> str | None:
+        value, se = line.get(key), line.get(f"{key}_se")
+        if not isinstance(value, (int, float)):
+            return None
+        return f"{name} {value:.3f}" + (f" +- {se:.3f}" if isinstance(se, (int, float)) else "")
+
+    shown = ", ".join(r for r in (reading("reward", "eval/reward"), reading("greedy", "eval/greedy")) if r)
+    return f"final evaluation (held-out, {prompts} prompts, after step {step}): {shown}"
 
 
 NO_RL_SIGNAL = "no RL signal"

@@ -44,3 +44,29 @@ def test_sft_shares_trains_names_for_steps_optimizer_and_logging():
         assert path in sft_fields or path == "log.wandb", path
         assert path in train_fields or path in ("log.print_every", "log.wandb"), path
     assert "log.wandb.project" in sft_fields and "log.wandb.project" in train_fields
+
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+        "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64",
+        "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
+        "--rollout.sampling.max-new-tokens", "6", "--log.samples-every", "0"]
+
+
+@pytest.mark.parametrize("eval_every", ["0", "5"])
+def test_train_prints_the_final_evaluation_in_one_line(tmp_path, capsys, eval_every):
+    """With evaluations on, the held-out evaluation after the last step is one progress line with the numbers of its
+    metrics line (step = total_steps); without them there is no such line."""
+    import json
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--out-dir", str(run), "--total-steps", "2", "--log.eval-every", eval_every,
+                 "--log.eval-prompts", "8"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("final evaluation")]
+    if eval_every == "0":
+        assert printed == []
+        return
+    final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["step"] == 2 and final["minibatch"] == -1
+    assert printed == [f"final evaluation (held-out, 8 prompts, after step 2): reward {final['eval/reward']:.3f} +- "
+                       f"{final['eval/reward_se']:.3f}, greedy {final['eval/greedy']:.3f} +- "
+                       f"{final['eval/greedy_se']:.3f}"]
