@@ -228,16 +228,33 @@ class TrainConfig:
 
 
 @dataclass
-class SFTOptimConfig(OptimConfig):
+class SFTOptimConfig:
     """The warm start's AdamW: linear warmup, then cosine decay to 10% of lr (not train's constant rate), with
-    gradient-norm clipping. The same flags as train's --optim.*, with the warm start's defaults."""
+    gradient-norm clipping. Train's --optim.* names for the fields the two share, with the warm start's defaults; its
+    own class, so that an optimizer option of train's that sft does not apply never appears as an sft flag."""
 
     lr: float = 3e-3
     """Peak learning rate (linear warmup, then cosine decay to 10%)."""
     warmup_steps: int = 20
     """Optimizer steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
 
 
 @dataclass

@@ -70,3 +70,15 @@ def test_train_prints_the_final_evaluation_in_one_line(tmp_path, capsys, eval_ev
     assert printed == [f"final evaluation (held-out, 8 prompts, after step 2): reward {final['eval/reward']:.3f} +- "
                        f"{final['eval/reward_se']:.3f}, greedy {final['eval/greedy']:.3f} +- "
                        f"{final['eval/greedy_se']:.3f}"]
+
+
+def test_sft_optim_has_only_what_sft_applies():
+    """sft's --optim.* are the fields its AdamW and schedule read, with train's names: an optimizer option that only
+    train applies (added to OptimConfig later) must not appear as an sft flag that does nothing."""
+    from dataclasses import fields
+
+    from moe_rl.rl.run_config import OptimConfig, SFTOptimConfig
+
+    sft_names = [f.name for f in fields(SFTOptimConfig)]
+    assert sft_names == ["lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip"]
+    assert set(sft_names) <= {f.name for f in fields(OptimConfig)}
