@@ -573,9 +573,11 @@ def stability_map(cfg: StabilityConfig) -> Path:
     return out
 
 
-if __name__ == "__main__":  # the spelling before `moe-rl stability`, kept as an alias of it
+if __name__ == "__main__":  # the spelling before `moe-rl stability`: the same parser, the same one-line errors
     import sys
 
-    from moe_rl.cli import main
-
-    sys.exit(main(["stability", *sys.argv[1:]]))
+    try:
+        stability_map(tyro.cli(StabilityConfig, prog="moe-rl stability", description=__doc__))
+    except (ConfigError, DataError) as err:
+        print(f"moe-rl stability: error: {err}", file=sys.stderr)
+        sys.exit(2)

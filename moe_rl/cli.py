@@ -308,7 +308,7 @@ def _config_file(config_class, args: list[str]):
         raise ConfigError("--config-file needs a path to a JSON or YAML config (e.g. runs/<name>/config.json)")
     import os
 
-    from moe_rl.rl.overrides import from_dict
+    from moe_rl.rl.overrides import from_dict, read_config_file
     from moe_rl.runs.claim import is_run_manifest
 
     path = os.path.expanduser(path)  # a shell leaves `--config-file=~/...` as it is
@@ -340,32 +340,6 @@ def _run_dir_of(path: str):
     except (OSError, ValueError):
         return None
     return folder if is_run_manifest(manifest) else None
-
-
-def read_config_file(path: str, flag: str = "--config-file") -> dict:
-    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming `flag`, the file and
-    the line."""
-    import json
-
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{flag} {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{flag} {path}:{err.lineno}: not valid JSON ({err.msg})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{flag} {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
-            from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{flag} {path}: expected a mapping of config fields, got {type(data).__name__}")
-    return data
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import ConfigError
-from moe_rl.rl.overrides import coerce, field_paths, unknown_field_error
+from moe_rl.rl.overrides import coerce, field_paths, read_config_file, unknown_field_error
 from moe_rl.rl.run_config import TrainConfig
 from moe_rl.sweep.grid import LABELS, SAFE, Experiment, axis, format_value, product
 
@@ -54,8 +54,6 @@ def grid_axes(grid: Mapping[str, str], grid_file: str | None) -> dict[str, list]
 def _read_grid_file(path: str | None) -> dict[str, list]:
     if path is None:
         return {}
-    from moe_rl.cli import read_config_file
-
     data = read_config_file(path, flag="--grid-file")
     return {str(key).removeprefix("--").replace("-", "_"): list(v) if isinstance(v, (list, tuple)) else [v]
             for key, v in data.items()}
