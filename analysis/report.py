@@ -51,6 +51,8 @@ from moe_rl.analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from moe_rl.analysis.report_text import (
     baseline_section,
     learning_markdown,
+    no_rl_signal_markdown,
+    no_rl_signal_runs,
     paired_markdown,
     scaling_markdown,
     skipped_markdown,
@@ -164,7 +166,8 @@ def report(cfg: ReportConfig) -> Path:
         dropped = dropped_runs(data, FINAL_METRICS, cfg.last_k)
         text = summary_markdown(data, cfg, tables["final_scores"], figures,
                                 learning + (paired + "\n" if paired else ""), dropped)
-        text += scaling_markdown(tables) + skipped_markdown(skipped)
+        no_signal = no_rl_signal_runs(data.metrics)
+        text += no_rl_signal_markdown(no_signal) + scaling_markdown(tables) + skipped_markdown(skipped)
         (work / "README.md").write_text(text, encoding="utf-8")
         move_into_place(work, out)
     finally:
@@ -173,6 +176,9 @@ def report(cfg: ReportConfig) -> Path:
              ] if data.missing else []
     notes += [f"{metric} has no finite value in {_listed(runs)}, left out of its scores"
               for metric, runs in dropped.items()]
+    if not no_signal.empty:
+        notes.append(f"churn without RL signal (all advantages zero) in {_listed(list(no_signal['run']))}: the "
+                     "README's 'Churn without RL signal' section")
     print(f"moe-rl report: {len(data.runs)} runs in {len(data.groups)} groups -> {out}/README.md, "
           f"{len(figures)} figures, {len(tables)} tables" + "".join(f"; note: {n}" for n in notes))
     return out

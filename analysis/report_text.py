@@ -130,6 +130,38 @@ def near_sentence(near: pd.DataFrame) -> str:
     return "Where churn is near the paper's ~10% (5-20% per update): " + "; ".join(parts) + "."
 
 
+def no_rl_signal_runs(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per run with any optimizer step whose advantages were all zero (churn/no_rl_signal = 1): how many of its
+    updates, out of how many, and at which rollout steps. Empty when no run logged the flag or none had one."""
+    if "churn/no_rl_signal" not in metrics.columns:
+        return pd.DataFrame(columns=["run", "updates", "of", "steps"])
+    flagged = metrics["churn/no_rl_signal"] == 1
+    rows = [{"run": run, "updates": int(flagged[lines.index].sum()), "of": len(lines),
+             "steps": sorted(int(s) for s in lines.loc[flagged[lines.index], "step"].unique())}
+            for run, lines in metrics.groupby("run", sort=False) if flagged[lines.index].any()]
+    return pd.DataFrame(rows, columns=["run", "updates", "of", "steps"])
+
+
+def _steps_text(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")
+
+
+def no_rl_signal_markdown(table: pd.DataFrame) -> str:
+    """The runs whose churn was, at some updates, not RL's: every group's rewards were equal there."""
+    if table.empty:
+        return ""
+    lines = ["", "## Churn without RL signal", "",
+             "At these updates every group's rewards were equal, so every advantage was zero and the objective gave "
+             "no gradient: the routing churn logged there comes from the load-balancing loss alone (and the KL term "
+             "when kl_coef > 0), and every objective would have made the same update (metric churn/no_rl_signal). "
+             "Read those runs' churn as the router's drift without RL, not as an effect of the objective or the "
+             "routing mode.", ""]
+    lines += [f"- {row.run}: {row.updates} of {row.of} updates (rollout steps {_steps_text(row.steps)})"
+              for row in table.itertuples()]
+    return "\n".join([*lines, ""])
+
+
 def skipped_markdown(skipped: list[str]) -> str:
     if not skipped:
         return ""

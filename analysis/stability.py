@@ -2,8 +2,8 @@
 learning rate at fixed staleness, or the minibatches per rollout batch at a fixed learning rate), how held-out
 accuracy changed, how often it declined, and how far each update moved the policy.
 
-    python -m moe_rl.analysis.stability sweeps/stability --out results/stability [--baseline .../evaluate]
-    python -m moe_rl.analysis.stability --pool results/stability/lr_1 results/stability/lr_2 --out results/stability
+    moe-rl stability sweeps/stability --out results/stability [--baseline .../evaluate]
+    moe-rl stability --pool results/stability/lr_1 results/stability/lr_2 --out results/stability
 
 The first writes the generic report (moe_rl.analysis.report, with per-run tables) and, beside it, the map below; the
 second makes the map alone from report folders' committed per-run tables (sittings whose sweep folders are gone):
@@ -50,20 +50,22 @@ Definitions (also in docs/analysis.md, "The stability map"):
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pandas as pd
+import tyro
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from moe_rl.analysis.aggregate import summarize
 from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 from moe_rl.analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from moe_rl.analysis.style import group_looks, in_paper_style, new_figure, save
-from moe_rl.errors import DataError
+from moe_rl.errors import ConfigError, DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
 LAST_EVALUATIONS = 3
@@ -220,7 +222,7 @@ def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise DataError(f"{path}: no such table (a report folder holds tables/{', tables/'.join(PER_RUN_TABLES)}: "
-                        "moe-rl report or python -m moe_rl.analysis.stability writes them)")
+                        "moe-rl report or moe-rl stability writes them)")
     return pd.read_csv(path)
 
 
@@ -488,49 +490,72 @@ def _log_axis(axis, percent: bool) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclass
+class StabilityConfig:
+    """The stability map of a `stability` sweep, of report folders' per-run tables (--pool), or of both."""
+
+    runs: Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="RUNS")] = None
+    """The stability sweep directory, or a folder holding several (an lr sweep and a staleness sweep: their shared
+    cell's repeats are dropped); its generic report goes to --out."""
+    out: str = ""
+    """Output folder (README.md of the generic report, STABILITY.md); required."""
+    pool: Annotated[tuple[str, ...], tyro.conf.arg(metavar="REPORT [REPORT ...]")] = ()
+    """Report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, runs.csv: what results/
+    commits) join the map, e.g. earlier sittings whose sweep folders are gone; without RUNS the map is made from
+    these alone and no generic report is written."""
+    baseline: str | None = None
+    """The warm start's moe-rl evaluate output (see moe-rl report)."""
+    confirm_seeds: str | None = None
+    """Comma-separated seeds for a second, confirmatory paired table (tables/paired_cells_confirm.csv): the seeds
+    that did not suggest the hypothesis under test (results/stability/PROTOCOL.md)."""
+    fixed_lr: float | None = None
+    """The learning rate of the staleness axis; None = the stability experiment's (experiments/stability.py)."""
+    fixed_minibatches: int | None = None
+    """The minibatches per rollout batch of the learning-rate axis; None = the stability experiment's."""
+
+    def check(self) -> None:
+        """One ConfigError line for a missing --out, no input, a --baseline without RUNS or a bad seed list."""
+        if not self.out.strip():
+            raise ConfigError("--out is required: the map's folder (e.g. --out results/stability)")
+        if self.runs is None and not self.pool:
+            raise ConfigError("give a sweep directory (RUNS), report folders to pool (--pool), or both")
+        if self.runs is None and self.baseline:
+            raise ConfigError("--baseline belongs to the generic report of RUNS; without RUNS none is written")
+        self.confirmation_seeds()  # a bad seed list is refused before anything is read
+
+    def confirmation_seeds(self) -> list[int]:
+        try:
+            return [int(v) for v in (self.confirm_seeds or "").split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"confirm_seeds={self.confirm_seeds!r}: give comma-separated seeds, e.g. 1,2,3,4") \
+                from None
+
+
+def stability_map(cfg: StabilityConfig) -> Path:
+    """`moe-rl stability`: the generic report of RUNS (if given) into --out, then the map from it and the --pool
+    folders: tables/, figures/ and STABILITY.md. Returns the output folder."""
     from moe_rl.analysis.report import ReportConfig, report
     from moe_rl.analysis.stability_text import sources_line, stability_markdown
     from moe_rl.experiments.stability import FIXED_LR, FIXED_MINIBATCHES
 
-    parser = argparse.ArgumentParser(prog="python -m moe_rl.analysis.stability", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="?", default=None,
-                        help="the stability sweep directory, or a folder holding several (an lr sweep and a "
-                        "staleness sweep: their shared cell's repeats are dropped); its generic report goes to --out")
-    parser.add_argument("--pool", nargs="+", default=[], metavar="REPORT",
-                        help="report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, "
-                        "runs.csv: what results/ commits) join the map, e.g. earlier sittings whose sweep folders "
-                        "are gone; without RUNS the map is made from these alone and no generic report is written")
-    parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
-    parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
-    parser.add_argument("--confirm-seeds", default=None, help="comma-separated seeds for a second, confirmatory "
-                        "paired table (tables/paired_cells_confirm.csv): the seeds that did not suggest the "
-                        "hypothesis under test (results/stability/PROTOCOL.md)")
-    parser.add_argument("--fixed-lr", type=float, default=FIXED_LR, help="the learning rate of the staleness axis")
-    parser.add_argument("--fixed-minibatches", type=int, default=FIXED_MINIBATCHES,
-                        help="the minibatches per rollout batch of the learning-rate axis")
-    args = parser.parse_args(argv)
-    if args.runs is None and not args.pool:
-        parser.error("give a sweep directory (RUNS), report folders to pool (--pool), or both")
-    if args.runs is None and args.baseline:
-        parser.error("--baseline belongs to the generic report of RUNS; without RUNS none is written")
-    folders = [Path(folder) for folder in args.pool]
-    if args.runs is not None:
-        folders.insert(0, report(ReportConfig(args.runs, out=args.out, baseline=args.baseline,
+    cfg.check()
+    folders = [Path(folder) for folder in cfg.pool]
+    if cfg.runs is not None:
+        folders.insert(0, report(ReportConfig(cfg.runs, out=cfg.out, baseline=cfg.baseline,
                                               equivalence_margin=MARGIN)))
-    out = Path(args.out)
+    out = Path(cfg.out)
     (out / "tables").mkdir(parents=True, exist_ok=True)
     # From the reports' own per-run tables (what results/ commits), so that the map is recomputable from them.
     frame, repeats = pooled_frame(folders)
-    fixed = {"optim.lr": args.fixed_lr, "minibatches": args.fixed_minibatches}
+    fixed = {"optim.lr": FIXED_LR if cfg.fixed_lr is None else cfg.fixed_lr,
+             "minibatches": FIXED_MINIBATCHES if cfg.fixed_minibatches is None else cfg.fixed_minibatches}
     cells, critical = stability_cells(frame, fixed), critical_values(frame, fixed)
     matched, paired, mdd = kl_matched_axes(frame, fixed), paired_cells(frame, fixed), paired_mdd(frame, fixed)
     tables = (("stability_cells", cells), ("critical", critical), ("kl_matched", matched), ("paired_cells", paired),
               ("paired_mdd", mdd))
     confirm = None
-    if args.confirm_seeds:
-        seeds = [int(v) for v in args.confirm_seeds.split(",") if v.strip()]
+    seeds = cfg.confirmation_seeds()
+    if seeds:
         chosen = frame[frame["seed"].isin(seeds)]
         confirm = (seeds, paired_cells(chosen, fixed), paired_mdd(chosen, fixed))
         tables += (("paired_cells_confirm", confirm[1]), ("paired_mdd_confirm", confirm[2]))
@@ -543,15 +568,16 @@ def main(argv: list[str] | None = None) -> None:
     sources = sources_line(folders, frame, repeats, out)
     text = stability_markdown(cells, critical, matched, fixed, paired, mdd, confirm, sources)
     (out / "STABILITY.md").write_text(text, encoding="utf-8")
-    print(f"moe_rl.analysis.stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "
+    print(f"moe-rl stability: {len(frame)} runs from {len(folders)} report folder(s) ({repeats} repeats dropped), "
           f"{len(cells)} cells, {len(critical)} critical values -> {out}/STABILITY.md")
+    return out
 
 
-if __name__ == "__main__":
-    from moe_rl.analysis.load import NoRunsError
-    from moe_rl.errors import ConfigError
+if __name__ == "__main__":  # the spelling before `moe-rl stability`: the same parser, the same one-line errors
+    import sys
 
     try:
-        main()
-    except (ConfigError, DataError, NoRunsError) as err:  # bad input ends in one line, as the moe-rl commands do
-        raise SystemExit(f"python -m moe_rl.analysis.stability: error: {err}") from None
+        stability_map(tyro.cli(StabilityConfig, prog="moe-rl stability", description=__doc__))
+    except (ConfigError, DataError) as err:
+        print(f"moe-rl stability: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -10,9 +10,8 @@ the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name
 | `ablations`            | clip range, minibatches, lr, experts, top-k, depth, one at a time       | 14 runs, ~5 min  |
 | `correction`           | GRPO / +TIS / +IcePop / R3 / R3+TIS under bf16, fp8 and exact samplers  | 45 runs, see doc |
 | `length_generalisation`| does RL beat the best-temperature warm start (7-term sums from 4-6)     | 5 runs, see doc  |
-| `stability`            | the stability map: 6 methods x lr and staleness, one axis at a time     | 162 runs, ~11 h  |
-| `engine`               | GRPO / +R3 / +TIS with a real vLLM bf16 engine vs its fp32 control and  | 15 runs, see doc |
-|                        | the emulated bf16 sampler; does the emulation predict the mismatch      |                  |
+| `stability`            | the stability map: 6 methods x lr and staleness, one axis at a time     | 198 runs, ~5.5 h |
+| `engine`               | GRPO / +R3 / +TIS on a real vLLM bf16 engine vs fp32 and its emulation | 15 runs, see doc |
 
 CPU times are with `--workers 2` on a shared 2-core machine.
 

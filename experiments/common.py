@@ -15,7 +15,15 @@ from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
 from moe_rl.rl.rollout import SamplingConfig
-from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from moe_rl.rl.run_config import (
+    LogConfig,
+    OptimConfig,
+    RolloutConfig,
+    SFTConfig,
+    SFTLogConfig,
+    SFTOptimConfig,
+    TrainConfig,
+)
 from moe_rl.tasks import TaskConfig
 
 SCALES = ("cpu", "gpu")
@@ -61,7 +69,9 @@ def warm_start(scale: str) -> SFTConfig:
     """SFT on task solutions so RL starts with partial success (the sweep fits model and task to each run)."""
     check_choice("scale", scale, SCALES)
     if scale == "cpu":
-        return SFTConfig(steps=300, batch_size=64, lr=3e-3, eval_every=100, eval_prompts=64, device="cpu",
+        return SFTConfig(total_steps=300, batch_size=64, optim=SFTOptimConfig(lr=3e-3),
+                         log=SFTLogConfig(eval_every=100, eval_prompts=64), device="cpu",
                          model=model(scale), task=task(scale), sampling=sampling(scale))
-    return SFTConfig(steps=2000, batch_size=256, lr=1e-3, warmup_steps=100, eval_every=500, eval_prompts=256,
+    return SFTConfig(total_steps=2000, batch_size=256, optim=SFTOptimConfig(lr=1e-3, warmup_steps=100),
+                     log=SFTLogConfig(eval_every=500, eval_prompts=256),
                      device="cuda", model=model(scale), task=task(scale), sampling=sampling(scale))

@@ -76,6 +76,7 @@ def regime_warm_start(scale: str, precision: str = SAMPLER_PRECISION) -> SFTConf
     k = knobs(scale)
     base = common_warm_start(scale)
     cpu = scale == "cpu"
-    return replace(base, steps=k["sft_steps"], eval_every=k["sft_steps"], eval_prompts=k["eval_prompts"],
+    return replace(base, total_steps=k["sft_steps"],
+                   log=replace(base.log, eval_every=k["sft_steps"], eval_prompts=k["eval_prompts"]),
                    model=CPU_MODEL if cpu else common_model(scale), task=CPU_TASK if cpu else GPU_TASK,
                    sampling=replace(base.sampling, max_new_tokens=k["max_new_tokens"], precision=precision))

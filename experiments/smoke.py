@@ -13,7 +13,7 @@ from moe_rl.experiments.common import SCALES
 from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.rl.rollout import SamplingConfig
-from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, SFTLogConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, axis, product
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64,
@@ -30,7 +30,7 @@ def smoke(scale: str = "cpu", steps: int = 2) -> Experiment:
         rollout=RolloutConfig(prompts_per_step=4, group_size=4, sampling=sampling),
         optim=OptimConfig(lr=3e-4), log=LogConfig(samples_every=1, eval_every=0),
     )
-    warm = SFTConfig(steps=10, batch_size=16, eval_every=10, eval_prompts=8, device=device, model=TINY,
-                     sampling=sampling)
+    warm = SFTConfig(total_steps=10, batch_size=16, log=SFTLogConfig(eval_every=10, eval_prompts=8), device=device,
+                     model=TINY, sampling=sampling)
     grid = product(axis("objective.name", ["grpo", "gspo"]), axis("routing_mode", ["native", "R2"]))
     return Experiment(base, grid, warmstart=warm)

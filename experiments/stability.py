@@ -19,12 +19,12 @@ steps"; and the figure.
     moe-rl sweep stability --workers 2                               # CPU: 6 methods x 11 cells x 3 seeds
     moe-rl sweep stability --arg axes=lr methods=grpo,grpo+R2        # one axis, two methods
     moe-rl sweep stability --arg n_layers=16                         # the deep arm (its own warm start)
-    python -m moe_rl.analysis.stability sweeps/stability --out results/stability \\
+    moe-rl stability sweeps/stability --out results/stability \\
         --baseline sweeps/stability/warmstart/<key>/evaluate
     # one axis at a time into one folder, read together (the shared cell's repeat is dropped):
     moe-rl sweep stability --arg axes=lr --sweep-dir sweeps/stability/lr --workers 2
     moe-rl sweep stability --arg axes=staleness --sweep-dir sweeps/stability/staleness --workers 2
-    python -m moe_rl.analysis.stability sweeps/stability --out results/stability
+    moe-rl stability sweeps/stability --out results/stability
     moe-rl sweep stability --arg scale=gpu --executor slurm --partition gpu --time 240
 
 CPU, measured (2026-12-01, the learning-rate axis, 2-core AMD EPYC with AVX2, --workers 2, the bf16 sampler's

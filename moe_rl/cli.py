@@ -1,14 +1,16 @@
 """The `moe-rl` command: one subcommand per entry point, each config parsed by tyro (so `--help` documents
 every field).
 
-    moe-rl sft   --help        supervised warm start
+    moe-rl --version           moe-rl <version>
+    moe-rl sft   --help        supervised warm start (train's names: --total-steps, --optim.*, --log.*)
     moe-rl train --help        RL on the native MoE model
     moe-rl train --config-file runs/x/config.json --out-dir runs/y    a saved config (JSON or YAML), flags override
     moe-rl probe --help        routing churn per update and router margins, or an engine trace vs the trainer
     moe-rl evaluate --help     a checkpoint at its best sampling temperature (chosen on validation) and greedy
     moe-rl export --help       a checkpoint as a Hugging Face model folder (from_pretrained, vLLM)
-    moe-rl sweep --help        a named experiment as a sweep of runs, locally or on SLURM
+    moe-rl sweep --help        a named experiment (or an ad-hoc --grid) as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
+    moe-rl stability --help    the stability map of a stability sweep, or of report folders (analysis/stability.py)
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def _sweep():
     return SweepConfig, partial(sweep_command, experiments=EXPERIMENTS)
 
 
+def _stability():
+    from moe_rl.analysis.stability import StabilityConfig, stability_map
+
+    return StabilityConfig, stability_map
+
+
 def _report():
     from moe_rl.analysis.report import ReportConfig, report
 
@@ -91,14 +99,18 @@ COMMANDS: dict[str, Command] = {
     "evaluate": Command("held-out accuracy at the best temperature on validation, and greedy: the baseline row",
                         _evaluate),
     "export": Command("a checkpoint as a Hugging Face model folder: config, safetensors, tokenizer", _export),
-    "sweep": Command("a named experiment (experiments/) as a sweep of runs: local workers or SLURM", _sweep),
+    "sweep": Command("a named experiment (experiments/) or an ad-hoc --grid as a sweep of runs: local or SLURM",
+                     _sweep),
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
+    "stability": Command("the stability map of a stability sweep or of report folders (STABILITY.md, tables)",
+                         _stability),
 }
 
 
 def usage() -> str:
-    lines = ["usage: moe-rl <command> [--help] [options]", "", "commands:"]
-    lines += [f"  {name:<8} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines = ["usage: moe-rl <command> [--help] [options]   (moe-rl --version: the installed version)", "",
+             "commands:"]
+    lines += [f"  {name:<9} {cmd.summary}" for name, cmd in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -106,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"moe-rl {version()}")
         return 0
     _never_fail_to_print()
     name, rest = argv[0], argv[1:]
@@ -119,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     takes_file = name in ("train", "sft")
     running = False
     try:
+        check_renamed_flags(name, rest)
         rest, defaults = _config_file(config_class, rest) if takes_file else (rest, None)
         cfg = _parse(tyro, config_class, rest, name, defaults, module_doc + (CONFIG_FILE_HELP if takes_file else ""))
         _check_environment()
@@ -156,6 +172,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl {name}: interrupted ({err or 'SIGINT'}) before it finished", file=sys.stderr)
         return _signal_exit_status(str(err) or "SIGINT")
     return _exit_status(result) if takes_file else 0
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    from importlib.metadata import version as installed_version
+
+    return installed_version("moe-rl")
+
+
+def check_renamed_flags(name: str, args: list[str]) -> None:
+    """A flag spelled as before sft took train's names (--steps, --lr, --trackers, ...): one ConfigError naming the
+    flag's name now, rather than tyro's unknown-flag box."""
+    if name != "sft":
+        return
+    from moe_rl.rl.run_config import SFT_RENAMED_FLAGS
+
+    for arg in args:
+        if arg == "--":
+            return
+        flag = arg.partition("=")[0].replace("_", "-") if arg.startswith("--") else ""
+        old = flag if flag in SFT_RENAMED_FLAGS else flag.rpartition(".")[0]  # --wandb.project -> --wandb
+        if old in SFT_RENAMED_FLAGS:
+            new = SFT_RENAMED_FLAGS[old] + flag[len(old):]
+            raise ConfigError(f"{arg.partition('=')[0]} is now {new} (sft takes train's names for the flags they "
+                              "share)")
 
 
 def _check_environment() -> None:
@@ -267,7 +308,7 @@ def _config_file(config_class, args: list[str]):
         raise ConfigError("--config-file needs a path to a JSON or YAML config (e.g. runs/<name>/config.json)")
     import os
 
-    from moe_rl.rl.overrides import from_dict
+    from moe_rl.rl.overrides import from_dict, read_config_file
     from moe_rl.runs.claim import is_run_manifest
 
     path = os.path.expanduser(path)  # a shell leaves `--config-file=~/...` as it is
@@ -299,31 +340,6 @@ def _run_dir_of(path: str):
     except (OSError, ValueError):
         return None
     return folder if is_run_manifest(manifest) else None
-
-
-def read_config_file(path: str) -> dict:
-    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming the file and line."""
-    import json
-
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config-file {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--config-file {path}:{err.lineno}: not valid JSON ({err.msg})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"--config-file {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
-            from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config-file {path}: expected a mapping of config fields, got {type(data).__name__}")
-    return data
 
 
 if __name__ == "__main__":

@@ -70,11 +70,11 @@ def sft_checkpoint(tmp_path_factory):
     from moe_rl.commands.sft import sft
     from moe_rl.model import ModelConfig
     from moe_rl.rl.rollout import SamplingConfig
-    from moe_rl.rl.run_config import SFTConfig
+    from moe_rl.rl.run_config import SFTConfig, SFTLogConfig
 
     out = tmp_path_factory.mktemp("sft") / "run"
-    sft(SFTConfig(out_dir=str(out), steps=300, batch_size=64, model=ModelConfig(**TINY_MODEL), eval_every=1000,
-                  eval_prompts=64, sampling=SamplingConfig(max_new_tokens=6)))
+    sft(SFTConfig(out_dir=str(out), total_steps=300, batch_size=64, model=ModelConfig(**TINY_MODEL),
+                  log=SFTLogConfig(eval_every=1000, eval_prompts=64), sampling=SamplingConfig(max_new_tokens=6)))
     return out / "checkpoints" / "latest.pt"
 
 

@@ -8,6 +8,8 @@ Update mode (default). From a checkpoint (or a random init), sample one rollout 
     margin_median, margin_below_t    the router margin (k-th minus (k+1)-th router score) before the step
     churn_low_margin, churn_rest     slot churn of the tokens in the lowest-margin quantile vs the others
     changes_in_low_margin            the share of changed decisions that were low-margin tokens
+    no_rl_signal                     1 when every advantage of the update's rows was zero (equal rewards in each
+                                     group): that churn is the load-balancing loss's, not RL's (a line says so)
 
 Trace mode (`--trace FILE`). Read an inference engine's routed experts (vLLM `routed_experts`, SGLang's equivalent;
 layouts in moe_rl/routing/engine_traces.py), run the model natively over the same tokens and report engine vs trainer routing per
@@ -56,7 +58,7 @@ from moe_rl.routing.margins import LOW_MARGIN_QUANTILE, MARGIN_THRESHOLDS, margi
 from moe_rl.routing.mode import ModeName
 from moe_rl.routing.trace import RoutingTrace
 from moe_rl.runs.checkpoint import load_checkpoint
-from moe_rl.runs.progress import say
+from moe_rl.runs.progress import NO_RL_SIGNAL, NOTE_EXPLANATIONS, no_rl_signal_note, say
 from moe_rl.tasks import TaskConfig
 
 
@@ -197,6 +199,10 @@ def probe(cfg: ProbeCommandConfig) -> list[dict]:
         if distributed.is_main():
             write_rows(Path(cfg.out), rows, cfg)
             say(format_table(rows))  # written already: a reader that went away loses only this printout
+            note = no_rl_signal_note([{"churn/no_rl_signal": row["no_rl_signal"]} for row in rows
+                                      if "no_rl_signal" in row])
+            if note:
+                say(f"{note}: {NOTE_EXPLANATIONS[NO_RL_SIGNAL]}")
     return rows
 
 
@@ -208,7 +214,12 @@ def probe_updates(cfg: ProbeCommandConfig, device: torch.device) -> list[dict]:
     rows: list[dict] = []
     trainer.prober_factory = partial(MarginProber, sink=rows, thresholds=cfg.margin_thresholds,
                                      low_quantile=cfg.low_margin_quantile)
-    trainer.rl_step(lambda line: None)
+    lines: list[dict] = []
+    trainer.rl_step(lines.append)
+    flags = {line["minibatch"]: line["churn/no_rl_signal"] for line in lines if "churn/no_rl_signal" in line}
+    for row in rows:
+        if row["layer"] == "all":
+            row["no_rl_signal"] = flags.get(row["minibatch"], math.nan)
     return distributed.reduce_table(rows, by=("update", "minibatch", "layer"))
 
 
@@ -234,7 +245,7 @@ def write_rows(out: Path, rows: list[dict], cfg: ProbeCommandConfig) -> None:
 
 
 TABLE_COLUMNS = ("update", "layer", "churn", "set_change", "token_any", "margin_median", "churn_low_margin",
-                 "churn_rest", "changes_in_low_margin")
+                 "churn_rest", "changes_in_low_margin", "no_rl_signal")
 
 
 def format_table(rows: list[dict]) -> str:

@@ -5,8 +5,8 @@ tiny model solves none, and with all-zero rewards every group-normalised advanta
 model with teacher forcing on `[BOS] prompt solution [EOS]` (loss on the solution and EOS only) and saves
 `checkpoints/latest.pt`, which `moe-rl train --init-from` loads.
 
-    moe-rl sft --out-dir runs/sft --steps 300                 # CPU, about a minute for the default tiny model
-    moe-rl sft --out-dir runs/sft --lr 1e30                   # diverges: says at which step and why, exit status 3
+    moe-rl sft --out-dir runs/sft --total-steps 300           # CPU, about a minute for the default tiny model
+    moe-rl sft --out-dir runs/sft --optim.lr 1e30             # diverges: says at which step and why, exit status 3
     moe-rl sft --device cuda --model.d-model 512 ...          # one GPU
 """
 
@@ -84,7 +84,7 @@ def sft(cfg: SFTConfig) -> Path:
     torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     cfg = replace(cfg, out_dir=str(Path(cfg.out_dir or fresh_run_name(stem="sft")).expanduser().absolute()))
-    claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.steps, resume_flag=None, kind="sft")
+    claim = claim_run_dir(cfg.out_dir, resume=False, total_steps=cfg.total_steps, resume_flag=None, kind="sft")
     with StopOnSignal() as stop:
         return _sft_in_claim(cfg, claim, device, stop)
 
@@ -92,21 +92,22 @@ def sft(cfg: SFTConfig) -> Path:
 def _sft_in_claim(cfg: SFTConfig, claim, device, stop: StopOnSignal) -> Path:
     """Check the inputs, build, open the run, train and save, in a claimed directory (released at the end)."""
     try:
-        check_trackers_installed(cfg.trackers, flag="--trackers")
+        check_trackers_installed(cfg.log.trackers)
         tokenizer = build_model_tokenizer(cfg.model)
         task = build_task(cfg.task, tokenizer)
         check_task_fits(cfg.model, tokenizer, task, cfg.sampling.max_new_tokens)
-        check_sampler_memory(cfg.model, cfg.eval_prompts, cfg.sampling.max_new_tokens, device)
+        check_sampler_memory(cfg.model, cfg.log.eval_prompts, cfg.sampling.max_new_tokens, device)
         model = build_model(cfg.model, device, cfg.seed, None)
         run = open_claimed(claim, cfg, seed=cfg.seed, device=device, inputs=task_digest(cfg.task, task))
-        progress = Progress(cfg.steps, quiet=cfg.quiet)
-        trackers = make_trackers(cfg.trackers, run.path, config=run.config, wandb=asdict(cfg.wandb),
+        progress = Progress(cfg.total_steps, quiet=cfg.quiet)
+        trackers = make_trackers(cfg.log.trackers, run.path, config=run.config, wandb=asdict(cfg.log.wandb),
                                  run_id=run.manifest.get("tracker_id"))
         with run, run.open_metrics(trackers=trackers) as metrics:
             done = _sft_loop(cfg, model, task, tokenizer, device, metrics, run, progress, stop)
             if run.status == "running":
-                save_checkpoint(run.path, cfg.steps, {"model": model.state_dict(), "model_config": asdict(cfg.model)})
-                run.record_checkpoint(cfg.steps)
+                state = {"model": model.state_dict(), "model_config": asdict(cfg.model)}
+                save_checkpoint(run.path, cfg.total_steps, state)
+                run.record_checkpoint(cfg.total_steps)
         ending = f"sft has no resume: the same command starts it over ({run.path})" \
             if run.status == "interrupted" else run.manifest.get("reason")
         progress.end(run.status, str(run.path), done, ending)
@@ -119,27 +120,31 @@ def _sft_loop(cfg: SFTConfig, model, task, tokenizer, device, metrics, run, prog
               stop: StopOnSignal) -> int:
     """The SFT steps; returns how many were taken. A non-finite loss marks the run diverged and stops it; SIGINT or
     SIGTERM marks it interrupted after the step in flight (a second signal: at once)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.steps))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+    schedule = cosine_with_warmup(cfg.optim.warmup_steps, cfg.total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     step = 0
     try:
-        for step in range(cfg.steps):
+        for step in range(cfg.total_steps):
             if stop.requested:
                 run.mark_interrupted(stop.signal_name, step, resumes_from=None)
                 return step
             problems = task.problems("train", step * cfg.batch_size, cfg.batch_size)
-            line = sft_step(model, optimizer, scheduler, sft_batch(problems, task, tokenizer, device), cfg.grad_clip)
+            batch = sft_batch(problems, task, tokenizer, device)
+            line = sft_step(model, optimizer, scheduler, batch, cfg.optim.grad_clip)
             if not (math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])):
                 metrics.write(line, step=step)
                 run.mark_diverged(f"non-finite loss ({line['loss']}) or gradient norm ({line['grad_norm']}) at step "
                                   f"{step}")
                 return step
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.eval_prompts, cfg.seed)
+            if (step + 1) % cfg.log.eval_every == 0 or step + 1 == cfg.total_steps:
+                line["eval/reward"] = sampled_reward(model, task, tokenizer, cfg.sampling, cfg.log.eval_prompts,
+                                                     cfg.seed)
             metrics.write(line, step=step)
-            if (step + 1) % cfg.print_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.log.print_every == 0 or step + 1 == cfg.total_steps:
                 progress.step(step + 1, {"loss": line["loss"], "eval": line.get("eval/reward")})
     except Interrupted as err:  # a second signal: the step in flight is abandoned
         run.mark_interrupted(str(err), step, resumes_from=None)
         return step
-    return cfg.steps
+    return cfg.total_steps

@@ -39,7 +39,7 @@ from moe_rl.rl.trainer import Diverged, Trainer
 from moe_rl.routing.mode import RoutingMode
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
 from moe_rl.runs.interrupt import Interrupted, StopOnSignal
-from moe_rl.runs.progress import Progress, rl_step_fields, say
+from moe_rl.runs.progress import Progress, final_eval_line, no_rl_signal_note, rl_step_fields, say
 from moe_rl.runs.runlog import RunDir
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
@@ -189,7 +189,10 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
                 saved = trainer.step
                 if run is not None:
                     run.record_checkpoint(trainer.step)
-            progress.step(trainer.step, rl_step_fields(lines))
+            progress.step(trainer.step, rl_step_fields(lines), note=no_rl_signal_note(lines))
+            if trainer.step == cfg.total_steps and lines and lines[-1]["minibatch"] == -1 \
+                    and "eval/reward" in lines[-1]:  # the evaluation after training, not a skipped step's line
+                progress.line(final_eval_line(lines[-1], trainer.step, cfg.log.eval_prompts))
             if signal_name and trainer.step < cfg.total_steps:
                 if run is not None:
                     run.mark_interrupted(signal_name, trainer.step, resumes_from=saved)

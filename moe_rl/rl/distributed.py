@@ -24,7 +24,8 @@ Besides DDP's gradient all-reduce, the ranks exchange (each call made by every r
 Metric reduction (`reduce_metrics`) goes by the last part of a metric's name (after the last "/"), split at "_":
 
     the word "max", or any name under time/   -> max over ranks   (ratio/max, ratio/log_abs_max, time/update)
-    the word "min"                             -> min over ranks   (ratio/min, seq_ratio/min)
+    the word "min", or a flag that holds only  -> min over ranks   (ratio/min, seq_ratio/min,
+    when it holds on every rank                                        churn/no_rl_signal)
     anything else                              -> mean over ranks  (loss, reward, kl, churn, grad_norm, ...)
 
 A rank that does not report a metric is left out of its reduction (only rank 0 evaluates; a rank whose rows DAPO
@@ -168,12 +169,16 @@ def broadcast_object(obj: Any) -> Any:
 # Reductions of metrics and table rows
 
 
+# 0/1 flags true of the whole step only when every rank's is true: the min over ranks.
+ALL_RANKS_FLAGS = ("churn/no_rl_signal",)
+
+
 def reduction(name: str) -> str:
     """'max', 'min' or 'mean': how metric `name` is reduced over ranks (the rule in the module docstring)."""
     words = name.rsplit("/", 1)[-1].split("_")
     if "max" in words or name.startswith("time/"):
         return "max"
-    if "min" in words:
+    if "min" in words or name in ALL_RANKS_FLAGS:
         return "min"
     return "mean"
 

@@ -3,6 +3,7 @@
     with_overrides(cfg, {"optim.lr": "3e-4", "routing_mode": "R2"})   # strings are parsed; typed values checked
     field_paths(TrainConfig)                                          # ["out_dir", ..., "optim.lr", ...]
     from_dict(TrainConfig, json.load(...))                            # rebuild a config from its config.json
+    read_config_file("runs/x/config.json")                            # a JSON or YAML mapping, errors with its line
 
 Every new config goes through its dataclass constructor again, so `__post_init__` validates the combination.
 An unknown field is named with its nearest matches. Used by `moe-rl sweep --set` and by the sweep grids.
@@ -213,3 +214,29 @@ def from_dict(cls: type, data: Mapping[str, Any]) -> Any:
                               f"{{{field_paths(hint)[0].split('.')[0]}: ...}}, not {type(value).__name__} {value!r}")
         kwargs[key] = from_dict(hint, value)
     return cls(**kwargs)
+
+
+def read_config_file(path: str, flag: str = "--config-file") -> dict:
+    """A JSON (.json) or YAML (anything else; YAML also reads JSON) mapping; ConfigError naming `flag`, the file and
+    the line."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{flag} {path}: cannot be read ({type(err).__name__}: {err.args[-1]})") from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{flag} {path}:{err.lineno}: not valid JSON ({err.msg})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{flag} {path}{where}: not valid YAML ({getattr(err, 'problem', None) or err})") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} {path}: expected a mapping of config fields, got {type(data).__name__}")
+    return data

@@ -234,6 +234,66 @@ class TrainConfig:
 
 
 @dataclass
+class SFTOptimConfig:
+    """The warm start's AdamW: linear warmup, then cosine decay to 10% of lr (not train's constant rate), with
+    gradient-norm clipping. Train's --optim.* names for the fields the two share, with the warm start's defaults; its
+    own class, so that an optimizer option of train's that sft does not apply never appears as an sft flag."""
+
+    lr: float = 3e-3
+    """Peak learning rate (linear warmup, then cosine decay to 10%)."""
+    warmup_steps: int = 20
+    """Optimizer steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        check_positive("lr", self.lr)
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class SFTLogConfig:
+    """What the warm start measures and prints besides metrics.jsonl (train's --log.* names)."""
+
+    eval_every: int = 50
+    """Measure sampled reward on held-out prompts every n steps (and at the end)."""
+    eval_prompts: int = 128
+    """Held-out prompts per evaluation."""
+    print_every: int = 10
+    """Print a progress line every n steps (and at the end)."""
+    trackers: tuple[TrackerName, ...] = ()
+    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("eval_every", "eval_prompts", "print_every"):
+            check_positive(name, getattr(self, name))
+        for tracker in self.trackers:
+            check_choice("trackers", tracker, ("tensorboard", "wandb"))
+
+
+# sft's flags before it took train's names: each old spelling is refused with the new one (moe_rl/cli.py).
+SFT_RENAMED_FLAGS = {
+    "--steps": "--total-steps", "--lr": "--optim.lr", "--warmup-steps": "--optim.warmup-steps",
+    "--weight-decay": "--optim.weight-decay", "--grad-clip": "--optim.grad-clip", "--eval-every": "--log.eval-every",
+    "--eval-prompts": "--log.eval-prompts", "--print-every": "--log.print-every", "--trackers": "--log.trackers",
+    "--wandb": "--log.wandb",
+}
+
+
+@dataclass
 class SFTConfig:
     """Supervised warm start on task solutions, so RL begins from a policy with partial success."""
 
@@ -242,33 +302,18 @@ class SFTConfig:
     runs/<UTC time>-sft."""
     seed: int = 0
     """Seeds model init and batch order."""
-    steps: int = 300
+    total_steps: int = 300
     """Optimizer steps."""
     batch_size: int = 64
     """Problems per optimizer step."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW, linear warmup then cosine decay to 10%)."""
-    warmup_steps: int = 20
-    """Linear warmup steps."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip; 0 disables."""
-    eval_every: int = 50
-    """Measure sampled reward on held-out prompts every n steps (and at the end)."""
-    eval_prompts: int = 128
-    """Held-out prompts per evaluation."""
     device: Device = "auto"
     """auto, cpu or cuda."""
     threads: int = 1
     """torch CPU threads."""
-    print_every: int = 10
-    """Print a progress line every n steps (and at the end)."""
     quiet: bool = False
     """Print no progress lines (a divergence is still reported)."""
-    trackers: tuple[TrackerName, ...] = ()
-    """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    log: SFTLogConfig = field(default_factory=SFTLogConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -277,7 +322,5 @@ class SFTConfig:
         check_out_dir_named(self)
         check_numbers(self)
         check_choice("device", self.device, DEVICES)
-        for name in ("steps", "batch_size", "lr", "eval_every", "eval_prompts", "threads", "print_every"):
+        for name in ("total_steps", "batch_size", "threads"):
             check_positive(name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
-            check_positive(name, getattr(self, name), allow_zero=True)

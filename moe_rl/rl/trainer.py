@@ -415,6 +415,7 @@ class Trainer:
         t_probe = time.perf_counter()
         metrics = dict(prober.before_update(self.model, self.updates, j)) if prober else {}
         t_update = time.perf_counter()
+        metrics["churn/no_rl_signal"] = no_rl_signal(batch, chunk)
         if chunk is None:
             metrics.update(self.idle_update())
         else:
@@ -529,6 +530,15 @@ class Trainer:
         with distributed.full_parameters(self.model):
             return heldout_metrics(self.model, self.task, self.tokenizer, self.cfg.rollout.sampling,
                                    log.eval_prompts, log.eval_samples, log.eval_greedy, self.cfg.seed)
+
+
+def no_rl_signal(batch: RolloutBatch, chunk: torch.Tensor | None) -> float:
+    """1.0 when every advantage of the update's rows is zero (each of their groups got equal rewards; a rank without
+    rows has none), else 0.0. Every objective scales its terms by the advantage, so such an update's gradient is the
+    load-balancing loss's (and the KL term's when kl_coef > 0): its routing churn owes nothing to the rewards."""
+    if chunk is None:
+        return 1.0
+    return float(not batch.advantages_B[chunk].any().item())
 
 
 def k3(ref_logp_BN, logp_BN, mask_BN) -> torch.Tensor:

@@ -159,16 +159,18 @@ def is_run_manifest(manifest: Any) -> bool:
 
 def run_kind(path: Path, manifest: dict[str, Any]) -> str | None:
     """train | sft: the manifest's `kind`, or for a run from before it was kept, read off its config.json (an RL
-    config has total_steps, an SFT config steps); None when neither tells."""
+    config has a rollout, an SFT config steps or total_steps and no rollout); None when neither tells."""
     if manifest.get("kind") in ("train", "sft"):
         return manifest["kind"]
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if isinstance(config, dict) and "total_steps" in config:
+    if not isinstance(config, dict):
+        return None
+    if "rollout" in config:
         return "train"
-    return "sft" if isinstance(config, dict) and "steps" in config else None
+    return "sft" if "steps" in config or "total_steps" in config else None
 
 
 def foreign_files(path: Path) -> list[str]:

@@ -4,6 +4,9 @@ sweep's per-job log fills as the run goes; `--quiet` silences the progress lines
 on stderr).
 
     step 12/50  reward 0.438  eval 0.406  churn 0.091  kl 2.1e-04  1.83 s/step  ETA 1m10s
+    step  1/50  reward 0.000  churn 0.041  kl 0.00e+00  no RL signal  1.83 s/step  ETA 1m30s
+      no RL signal: every group's rewards were equal, so ... (once, the first time: where that churn comes from)
+    final evaluation (held-out, 64 prompts, after step 50): reward 0.422 +- 0.031, greedy 0.453 +- 0.031
     finished: 50 steps in 1m32s -> runs/grpo
     diverged at step 7: non-finite loss (nan) or gradient norm (nan) at step 7, minibatch 2 -> runs/grpo
     interrupted at step 3; resume with: moe-rl train --config-file runs/grpo/config.json --resume
@@ -39,17 +42,29 @@ class Progress:
     def __init__(self, total: int, *, start: int = 0, quiet: bool = False, unit: str = "step"):
         self.total, self.start, self.quiet, self.unit = total, start, quiet, unit
         self.t0 = time.perf_counter()
+        self.explained: set[str] = set()  # the notes whose explanation has been printed
 
-    def step(self, done: int, fields: Mapping[str, float | None]) -> None:
-        """`done` steps are complete; `fields` (None values left out) go between the count and the timing."""
+    def step(self, done: int, fields: Mapping[str, float | None], note: str | None = None) -> None:
+        """`done` steps are complete; `fields` (None values left out) and `note` go between the count and the
+        timing. The first time a note from NOTE_EXPLANATIONS appears, its explanation follows on its own line."""
         if self.quiet:
             return
         elapsed = time.perf_counter() - self.t0
         rate = elapsed / max(1, done - self.start)
         shown = "  ".join(f"{k} {_number(v)}" for k, v in fields.items() if v is not None and math.isfinite(v))
+        shown += f"  {note}" if note else ""
         width = len(str(self.total))
         say(f"{self.unit} {done:>{width}}/{self.total}  {shown}  {rate:.2f} s/{self.unit}  "
             f"ETA {duration(rate * (self.total - done))}")
+        kind = note.split(" in ")[0] if note else None
+        if kind in NOTE_EXPLANATIONS and kind not in self.explained:
+            self.explained.add(kind)
+            say(f"  {kind}: {NOTE_EXPLANATIONS[kind]}")
+
+    def line(self, text: str) -> None:
+        """A line of its own among the progress lines (silenced by quiet like them)."""
+        if not self.quiet:
+            say(text)
 
     def end(self, status: str, run_dir: str, step: int, reason: str | None = None) -> None:
         """The last line: how the run ended, and where it lives."""
@@ -76,6 +91,37 @@ def rl_step_fields(lines: Iterable[Mapping]) -> dict[str, float | None]:
 
     return {"reward": first("reward"), "eval": first("eval/reward"), "churn": mean("routing/update/churn"),
             "kl": mean("kl")}
+
+
+def final_eval_line(line: Mapping, step: int, prompts: int) -> str:
+    """The held-out evaluation after training in one line: sampled reward and greedy accuracy, each +- its SE over
+    prompts (moe_rl.rl.heldout); greedy only when it was measured."""
+    def reading(name: str, key: str) -> str | None:
+        value, se = line.get(key), line.get(f"{key}_se")
+        if not isinstance(value, (int, float)):
+            return None
+        return f"{name} {value:.3f}" + (f" +- {se:.3f}" if isinstance(se, (int, float)) else "")
+
+    shown = ", ".join(r for r in (reading("reward", "eval/reward"), reading("greedy", "eval/greedy")) if r)
+    return f"final evaluation (held-out, {prompts} prompts, after step {step}): {shown}"
+
+
+NO_RL_SIGNAL = "no RL signal"
+NOTE_EXPLANATIONS = {
+    NO_RL_SIGNAL: "every group's rewards were equal, so every advantage was zero and the objective gave no gradient; "
+                  "this step's routing churn comes from the load-balancing loss alone (and the KL term when "
+                  "kl_coef > 0), and every objective would have made the same update (metric churn/no_rl_signal)",
+}
+
+
+def no_rl_signal_note(lines: Iterable[Mapping]) -> str | None:
+    """'no RL signal' when no optimizer step of a rollout step had a nonzero advantage (churn/no_rl_signal = 1 on
+    each), 'no RL signal in i/n updates' when some had none, None when every one had some (or none was logged)."""
+    flags = [line["churn/no_rl_signal"] for line in lines if isinstance(line.get("churn/no_rl_signal"), (int, float))]
+    without = sum(1 for flag in flags if flag == 1)
+    if not without:
+        return None
+    return NO_RL_SIGNAL if without == len(flags) else f"{NO_RL_SIGNAL} in {without}/{len(flags)} updates"
 
 
 def say(line: str, err: bool = False) -> None:

@@ -5,6 +5,7 @@
     moe-rl sweep churn_repro --workers 2                        # 2 runs at a time, each in its own process
     moe-rl sweep objective_comparison --arg seeds=5 --set optim.lr=3e-4 total_steps=100
     moe-rl sweep churn_repro --arg scale=gpu --executor slurm --partition gpu --gpus-per-job 1 --time 240
+    moe-rl sweep --grid objective.name=grpo,gspo seed=0,1        # an ad-hoc grid from train's defaults (sweep/adhoc.py)
 
 The sweep directory (default sweeps/<experiment>):
 
@@ -44,10 +45,11 @@ from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.runs.checkpoint import CHECKPOINTS, LATEST
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.runlog import config_to_dict
+from moe_rl.sweep.adhoc import adhoc_experiment, adhoc_sweep_dir, grid_axes
 from moe_rl.sweep.config import SweepConfig
 from moe_rl.sweep.grid import Experiment, format_value, run_name
 from moe_rl.sweep.jobs import run_local
-from moe_rl.sweep.plan import PlannedRun, SweepPlan, stable_config
+from moe_rl.sweep.plan import PlannedRun, SweepPlan, sft_key_form, stable_config
 from moe_rl.sweep.sweepdir import (
     INDEX_CSV,
     RUNS,
@@ -137,9 +139,8 @@ def _apply_overrides(spec: Experiment, overrides: dict[str, Any]):
 
 
 def in_wandb_group(cfg, group: str):
-    """`cfg` with its W&B group set to the sweep's name, unless `--set log.wandb.group=...` chose one."""
-    if isinstance(cfg, SFTConfig):
-        return cfg if cfg.wandb.group else dataclasses.replace(cfg, wandb=dataclasses.replace(cfg.wandb, group=group))
+    """`cfg` (train's or sft's: both keep it under log.wandb) with its W&B group set to the sweep's name, unless
+    `--set log.wandb.group=...` chose one."""
     if cfg.log.wandb.group:
         return cfg
     return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, wandb=dataclasses.replace(cfg.log.wandb,
@@ -154,7 +155,7 @@ def warmstart_for(sft_cfg: SFTConfig, run_cfg: TrainConfig, sweep_dir: Path,
             if f.name not in NON_ARCHITECTURE_FIELDS}
     cfg = dataclasses.replace(sft_cfg, model=dataclasses.replace(sft_cfg.model, **arch),
                               task=sft_cfg.task if own_task else run_cfg.task, device=run_cfg.device)
-    stable = stable_config(config_to_dict(cfg))
+    stable = stable_config(sft_key_form(config_to_dict(cfg)))
     digest = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:8]
     m = cfg.model
     key = f"L{m.n_layers}-E{m.n_experts}-K{m.top_k}-D{m.d_model}-{digest}"
@@ -181,17 +182,16 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
 
     `experiments` maps names to experiment functions (the cli passes experiments.EXPERIMENTS), so that this package
     never imports the experiments written on top of it."""
-    if cfg.experiment not in experiments:
-        what = f"unknown experiment {cfg.experiment!r}" if cfg.experiment else "name an experiment"
-        raise ConfigError(f"{what}; available: {', '.join(experiments)}")
+    experiment, axes = chosen_experiment(cfg, experiments)
     if cfg.sweep_dir is not None:
         if not cfg.sweep_dir.strip():
             raise ConfigError("--sweep-dir is empty: give the sweep's folder, or leave the flag out for "
                               "sweeps/<experiment>")
         cfg = dataclasses.replace(cfg, sweep_dir=os.path.expanduser(cfg.sweep_dir))
         check_out_dir(cfg.sweep_dir, "--sweep-dir")
-    plan = plan_sweep(experiments[cfg.experiment], cfg.sweep_dir, parse_assignments(cfg.arg, "--arg"),
-                      parse_assignments(cfg.set))
+    sweep_dir = cfg.sweep_dir or (adhoc_sweep_dir(axes) if axes is not None else None)
+    plan = plan_sweep(experiment, sweep_dir, parse_assignments(cfg.arg, "--arg"), parse_assignments(cfg.set))
+    plan = dataclasses.replace(plan, grid=axes)
     check_out_dir(plan.sweep_dir, "--sweep-dir")
     check_sweep_folder(plan.sweep_dir)
     plan = with_stored_warm_starts(plan)  # a sweep stored by an older moe-rl keeps its warm start folders
@@ -229,6 +229,21 @@ def sweep_command(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Expe
                                                             else True)]
     if counts.get("failed") or len(stopped):
         raise SystemExit(1)
+
+
+def chosen_experiment(cfg: SweepConfig, experiments: Mapping[str, Callable[..., Experiment]]):
+    """(the experiment function, None) for a named experiment; (an ad-hoc grid's function, its axes) for --grid or
+    --grid-file (moe_rl.sweep.adhoc). A name and a grid together, or neither, is refused."""
+    if cfg.grid or cfg.grid_file is not None:
+        if cfg.experiment or cfg.arg:
+            raise ConfigError(f"--grid and --grid-file make their own experiment: give them without an experiment "
+                              f"name or --arg (got {cfg.experiment or '--arg'!r})")
+        axes = grid_axes(parse_assignments(cfg.grid, "--grid"), cfg.grid_file)
+        return adhoc_experiment(axes), axes
+    if cfg.experiment not in experiments:
+        what = f"unknown experiment {cfg.experiment!r}" if cfg.experiment else "name an experiment (or --grid)"
+        raise ConfigError(f"{what}; available: {', '.join(experiments)}")
+    return experiments[cfg.experiment], None
 
 
 def check_sweep_folder(sweep_dir: Path) -> None:

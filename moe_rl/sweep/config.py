@@ -15,7 +15,13 @@ class SweepConfig:
     """Run a named experiment as a sweep of runs (see the module docstring for the directory layout)."""
 
     experiment: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="EXPERIMENT")] = ""
-    """Name of an experiment in experiments/ (their table: experiments/__init__.py; an unknown name lists them)."""
+    """Name of an experiment in experiments/ (their table: experiments/__init__.py; an unknown name lists them).
+    Leave it out with --grid or --grid-file."""
+    grid: Assignments = ()
+    """An ad-hoc sweep instead of a named experiment: field=v1,v2 per swept field, dotted as in --set (seed too);
+    every combination runs from train's defaults (changed by --set), e.g. --grid objective.name=grpo,gspo seed=0,1."""
+    grid_file: str | None = None
+    """An ad-hoc sweep from a YAML or JSON file mapping each field to its list of values (with or without --grid)."""
     arg: Assignments = ()
     """Arguments of the experiment function, name=value (e.g. scale=gpu seeds=5)."""
     set: Assignments = ()

@@ -236,7 +236,7 @@ def job_cost(cfg: TrainConfig | SFTConfig) -> float:
     batch size; RL: rollout steps x completions per rollout step)."""
     layers = cfg.model.n_layers
     if isinstance(cfg, SFTConfig):
-        return float(layers * cfg.steps * cfg.batch_size)
+        return float(layers * cfg.total_steps * cfg.batch_size)
     return float(layers * cfg.total_steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size)
 
 

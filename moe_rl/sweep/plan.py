@@ -44,6 +44,8 @@ class SweepPlan:
     sweep_dir: Path
     runs: list[PlannedRun]
     warmstarts: dict[str, SFTConfig]
+    grid: dict[str, list] | None = None
+    """An ad-hoc sweep's axes (`--grid`, moe_rl.sweep.adhoc); None for a named experiment."""
 
     def swept(self) -> dict[str, list]:
         """Each swept field and its distinct values, in order of first appearance."""
@@ -80,7 +82,9 @@ class SweepPlan:
         """The `moe-rl sweep` command line that makes this plan again."""
         args = [f"{k}={_cli_value(v)}" for k, v in self.arguments.items()]
         sets = [f"{k}={_cli_value(v)}" for k, v in self.overrides.items()]
-        return shlex.join(["moe-rl", "sweep", self.experiment, *(["--arg", *args] if args else []),
+        what = [self.experiment] if self.grid is None else ["--grid", *(
+            f"{k}={','.join(map(_cli_value, values))}" for k, values in self.grid.items())]
+        return shlex.join(["moe-rl", "sweep", *what, *(["--arg", *args] if args else []),
                            *(["--set", *sets] if sets else [])])
 
     def to_json(self) -> dict[str, Any]:
@@ -113,8 +117,29 @@ def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
         return {"name": entry["name"], "config": config}
 
     body = {"runs": [stable(r) for r in runs],
-            "warmstarts": {k: stable_config(c) for k, c in warmstarts.items()}}
+            "warmstarts": {k: stable_config(sft_key_form(c)) for k, c in warmstarts.items()}}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# The warm start's fields under their names before sft took train's (total_steps was steps, optim.lr was lr, ...),
+# and the AdamW constants it had then: a warm start's key and the grid hash read that form, so that the keys and
+# hashes of existing sweeps and of the committed studies (results/*, e.g. L8-E64-K8-D64-fa72a8a6) stay as they were.
+SFT_KEY_FIELDS = {"optim": ("lr", "warmup_steps", "weight_decay", "grad_clip"),
+                  "log": ("eval_every", "eval_prompts", "print_every", "trackers", "wandb")}
+SFT_OLD_CONSTANTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+
+
+def sft_key_form(config: Mapping[str, Any]) -> dict[str, Any]:
+    """An SFT config's JSON form in the layout its key has always hashed: total_steps as steps, the optim and log
+    fields at the top; optim's other fields (betas, eps) only where they differ from the constants of that time. A
+    config in that layout already (an older sweep.json's) comes back as it is."""
+    if "total_steps" not in config:
+        return dict(config)
+    flat = {("steps" if k == "total_steps" else k): v for k, v in config.items() if k not in SFT_KEY_FIELDS}
+    for group, names in SFT_KEY_FIELDS.items():
+        flat.update({name: config[group][name] for name in names})
+    changed = {k: v for k, v in config["optim"].items() if k in SFT_OLD_CONSTANTS and v != SFT_OLD_CONSTANTS[k]}
+    return {**flat, "optim": changed} if changed else flat
 
 
 def stable_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4"
         "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
 TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
          "--rollout.sampling.max-new-tokens", "6", "--log.eval-prompts", "4", "--log.samples-every", "1"]
-SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "6"]
+SFT = ["sft", *TINY, "--batch-size", "8", "--log.eval-prompts", "4", "--sampling.max-new-tokens", "6"]
 # A dependency's SyntaxWarnings, printed when its bytecode is not cached yet, are not our output.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
        "PYTHONWARNINGS": "ignore::SyntaxWarning"}
@@ -93,7 +93,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def warm(work) -> Path:
     """A 2-step SFT run (its checkpoint is the init_from of the RL runs); prints a progress line every step."""
-    done = moe_rl(*SFT, "--out-dir", work / "sft", "--steps", "2", "--print-every", "1")
+    done = moe_rl(*SFT, "--out-dir", work / "sft", "--total-steps", "2", "--log.print-every", "1")
     assert done.returncode == 0, done.stderr
     assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
     assert done.stdout.splitlines()[-1].startswith("finished: 2 steps") and str(work / "sft") in done.stdout
@@ -182,15 +182,16 @@ def bad_inputs(work: Path, warm: Path, finished: Path) -> dict[str, tuple[list, 
                                            "model.max_seq_len=8 is too short"),
         "wandb not installed": ([*TRAIN, *init, "--out-dir", work / "w", "--log.trackers", "wandb"],
                                 "pip install 'moe-rl[tracking]'"),
-        "sft tensorboard not installed": ([*SFT, "--steps", "1", "--out-dir", work / "tb", "--trackers",
-                                           "tensorboard"], "error: --trackers tensorboard needs the 'tensorboard' package"),
+        "sft tensorboard not installed": ([*SFT, "--total-steps", "1", "--out-dir", work / "tb", "--log.trackers",
+                                           "tensorboard"],
+                                          "error: --log.trackers tensorboard needs the 'tensorboard' package"),
         "config file: bad YAML": ([*TRAIN, f"--config-file={files / 'bad.yaml'}"], "bad.yaml:2: not valid YAML"),
         "config file: bad JSON": ([*TRAIN, "--config-file", files / "bad.json"], "bad.json:3: not valid JSON"),
         "config file: unknown field": ([*SFT, "--config-file", files / "unknown.yaml"],
                                        "unknown.yaml: 'total_stepz' is not a field of SFTConfig"),
         "train --out-dir a file": ([*TRAIN, "--out-dir", files / "a_file"], "a_file is a file, not a directory"),
         "sft --out-dir a file": ([*SFT, "--out-dir", files / "a_file"], "a_file is a file, not a directory"),
-        "sft where a run finished": ([*SFT, "--steps", "2", "--out-dir", warm], "choose another --out-dir"),
+        "sft where a run finished": ([*SFT, "--total-steps", "2", "--out-dir", warm], "choose another --out-dir"),
         "report --out a file": (["report", finished, "--out", files / "a_file"], "--out"),
         "sweep --sweep-dir a file": (["sweep", "smoke", "--sweep-dir", files / "a_file", "--dry-run"],
                                      "--sweep-dir"),
@@ -294,7 +295,7 @@ def test_a_second_writer_is_refused_at_once_and_the_sweep_leaves_a_busy_run_alon
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_divergence_is_reported_with_its_step_and_exit_status_3(work, command):
     argv = [*TRAIN, "--total-steps", "2", "--optim.lr", "1e30"] if command == "train" else \
-        [*SFT, "--steps", "3", "--lr", "1e30"]
+        [*SFT, "--total-steps", "3", "--optim.lr", "1e30"]
     done = moe_rl(*argv, "--out-dir", work / f"nan_{command}", "--quiet", cwd=work)
     assert done.returncode == 3, done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr

@@ -28,8 +28,8 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4"
         "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
 TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
          "--rollout.sampling.max-new-tokens", "4", "--checkpoint-every", "100"]
-SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "4",
-       "--print-every", "1"]
+SFT = ["sft", *TINY, "--batch-size", "8", "--log.eval-prompts", "4", "--sampling.max-new-tokens", "4",
+       "--log.print-every", "1"]
 
 
 def signalled(argv, run: Path, signum: int, after_lines: int = 1, cwd=REPO) -> subprocess.CompletedProcess:
@@ -106,7 +106,7 @@ def test_train_stops_at_a_step_with_a_checkpoint_and_resumes_as_if_never_stopped
 @pytest.mark.slow
 def test_sft_stops_cleanly_and_says_it_starts_over(tmp_path):
     run = tmp_path / "sft"
-    done = signalled([*SFT, "--out-dir", run, "--steps", "5000"], run, signal.SIGTERM)
+    done = signalled([*SFT, "--out-dir", run, "--total-steps", "5000"], run, signal.SIGTERM)
     assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr
     manifest = json.loads((run / "manifest.json").read_text())
     step = manifest["interrupted"]["at_step"]

@@ -26,8 +26,8 @@ TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4"
         "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
 TRAIN = ["train", *TINY, "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--minibatches", "2",
          "--rollout.sampling.max-new-tokens", "4", "--quiet", "--total-steps", "1"]
-SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "6", "--steps", "1",
-       "--quiet"]
+SFT = ["sft", *TINY, "--batch-size", "8", "--log.eval-prompts", "4", "--sampling.max-new-tokens", "6",
+       "--total-steps", "1", "--quiet"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
        "PYTHONWARNINGS": "ignore::SyntaxWarning"}
 
@@ -80,8 +80,8 @@ def test_eval_path_equal_to_path_is_refused(tmp_path, monkeypatch):
 def test_a_reader_that_closes_the_pipe_early_does_not_fail_the_run(tmp_path, command):
     """`moe-rl train ... | head -1`: a real pipe, closed after the first line; the run finishes, exit 0."""
     run = tmp_path / "run"
-    argv = [*TRAIN[:-3], "--total-steps", "4"] if command == "train" else [*SFT[:-3], "--steps", "4",
-                                                                             "--print-every", "1"]
+    argv = [*TRAIN[:-3], "--total-steps", "4"] if command == "train" else [*SFT[:-3], "--total-steps", "4",
+                                                                             "--log.print-every", "1"]
     child = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", *argv, "--out-dir", str(run)], cwd=tmp_path,
                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = child.stdout.readline()
@@ -209,7 +209,7 @@ def hf_without_tokenizer(tmp_path_factory):
 def test_an_hf_folder_without_tokenizer_whose_vocabulary_differs_is_refused_at_set_up(hf_without_tokenizer,
                                                                                        tmp_path, command):
     argv = ["train", "--rollout.prompts-per-step", "2", "--rollout.group-size", "2", "--minibatches", "1",
-            "--total-steps", "1"] if command == "train" else ["sft", "--steps", "1", "--batch-size", "2"]
+            "--total-steps", "1"] if command == "train" else ["sft", "--total-steps", "1", "--batch-size", "2"]
     refused(cli(*argv, "--model.backend", "hf", "--model.hf-path", hf_without_tokenizer, "--out-dir",
                 tmp_path / "run", "--quiet"),
             f"hf_path={hf_without_tokenizer}: the directory has no tokenizer files", "(99 ids)", "vocab_size is 128")

@@ -50,8 +50,8 @@ def run_cli(capsys, argv) -> tuple[int, str, str]:
     ("train", "--model.rope-theta", "nan", "rope_theta=nan must be a finite number"),
     ("train", "--objective.clip-high", "inf", "clip_high=inf must be a finite number"),
     ("train", "--task.eval-fraction", "nan", "eval_fraction=nan"),
-    ("sft", "--lr", "nan", "lr=nan must be a finite number"),
-    ("sft", "--grad-clip", "-inf", "grad_clip=-inf must be a finite number"),
+    ("sft", "--optim.lr", "nan", "lr=nan must be a finite number"),
+    ("sft", "--optim.grad-clip", "-inf", "grad_clip=-inf must be a finite number"),
     ("probe", "--optim.lr", "nan", "lr=nan must be a finite number"),
     ("probe", "--low-margin-quantile", "nan", "low_margin_quantile=nan must be a finite number"),
 ])

@@ -61,8 +61,8 @@ def test_train_runs_every_family_and_writes_the_native_metrics(tmp_path, native_
 
 def test_sft_then_rl_with_an_hf_model(tmp_path):
     hf = ["--model.backend", "hf", "--model.hf-config", "mixtral", *SIZES]
-    assert moe_rl("sft", "--out-dir", tmp_path / "sft", "--steps", "3", "--batch-size", "8", "--eval-every", "3",
-                  "--eval-prompts", "4", "--sampling.max-new-tokens", "6", *hf) == 0
+    assert moe_rl("sft", "--out-dir", tmp_path / "sft", "--total-steps", "3", "--batch-size", "8",
+                  "--log.eval-every", "3", "--log.eval-prompts", "4", "--sampling.max-new-tokens", "6", *hf) == 0
     losses = [line["loss"] for line in metric_lines(tmp_path / "sft")]
     assert len(losses) == 3 and losses[-1] < losses[0]
     ckpt = tmp_path / "sft" / "checkpoints" / "latest.pt"

@@ -190,7 +190,8 @@ def test_cli_bad_value_exits_2_with_the_field(tmp_path):
 @pytest.mark.slow
 def test_cli_sft_then_train_end_to_end(tmp_path):
     model = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-experts", "4", "--model.d-expert", "32"]
-    sft = _moe_rl("sft", "--out-dir", "sft", "--steps", "20", "--eval-every", "10", "--eval-prompts", "8", *model,
+    sft = _moe_rl("sft", "--out-dir", "sft", "--total-steps", "20", "--log.eval-every", "10", "--log.eval-prompts", "8",
+                  *model,
                   cwd=tmp_path)
     assert sft.returncode == 0, sft.stderr
     rl = _moe_rl("train", "--out-dir", "rl", "--init-from", "sft/checkpoints/latest.pt", "--total-steps", "2",

@@ -20,7 +20,7 @@ import pytest
 from conftest import cli
 from test_resume_guard import TINY, TRAIN, assert_refused, files
 
-SFT = ["sft", *TINY, "--batch-size", "8", "--eval-prompts", "4", "--sampling.max-new-tokens", "4", "--quiet"]
+SFT = ["sft", *TINY, "--batch-size", "8", "--log.eval-prompts", "4", "--sampling.max-new-tokens", "4", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_a_folder_of_the_users_files_is_refused_before_a_byte_is_written(tmp_pat
     (folder / "config.json").write_text('{"my": "own config"}\n')
     (folder / "metrics.jsonl").write_text('{"my": 1}\n')
     before = tree(folder)
-    code, _, err = cli(*command, "--out-dir", folder, "--total-steps" if command is TRAIN else "--steps", "1")
+    code, _, err = cli(*command, "--out-dir", folder, "--total-steps", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--out-dir {folder} is not empty and is not a moe-rl run" in err and "config.json, metrics.jsonl" in err
     assert tree(folder) == before  # not even a lock file
@@ -167,7 +167,7 @@ def test_another_runs_checkpoint_at_a_later_step_is_blamed_not_the_metrics(made,
 
 def test_train_on_an_sft_directory_names_it_as_an_sft_run(tmp_path):
     sft = tmp_path / "sft"
-    code, _, err = cli(*SFT, "--out-dir", sft, "--steps", "2")
+    code, _, err = cli(*SFT, "--out-dir", sft, "--total-steps", "2")
     assert code == 0, err
     before = files(sft)
     for extra in (["--resume"], []):
@@ -177,4 +177,5 @@ def test_train_on_an_sft_directory_names_it_as_an_sft_run(tmp_path):
     code, _, err = cli(*TRAIN, "--out-dir", run, "--total-steps", "1")
     assert code == 0, err
     before = files(run)
-    assert_refused(cli(*SFT, "--out-dir", run, "--steps", "2"), run, before, "holds a moe-rl train run, not a sft run")
+    assert_refused(cli(*SFT, "--out-dir", run, "--total-steps", "2"), run, before,
+                   "holds a moe-rl train run, not a sft run")

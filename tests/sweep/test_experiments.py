@@ -173,7 +173,7 @@ def test_smoke_is_tiny():
     plan = plan_sweep(get_experiment("smoke"), "/tmp/unused")
     assert 2 <= len(plan.runs) <= 4
     assert all(r.config.total_steps <= 2 and r.config.model.n_layers <= 2 for r in plan.runs)
-    assert all(w.steps <= 20 for w in plan.warmstarts.values())
+    assert all(w.total_steps <= 20 for w in plan.warmstarts.values())
 
 
 def test_engine_grid_is_five_arms_by_three_seeds_from_one_warm_start():
@@ -191,7 +191,7 @@ def test_engine_grid_is_five_arms_by_three_seeds_from_one_warm_start():
     base, warm = exp.base, exp.warmstart
     assert (base.model.backend, base.model.hf_config) == ("hf", "qwen3_moe")
     assert (base.model.d_model, base.model.n_layers, base.model.n_experts, base.model.top_k) == (64, 4, 16, 4)
-    assert warm.model == base.model and warm.steps == 800 and warm.task == base.task
+    assert warm.model == base.model and warm.total_steps == 800 and warm.task == base.task
     assert base.total_steps == 30 and base.task.name == "running_sum"
     assert base.log.eval_every == base.total_steps and base.log.eval_prompts == 256  # before RL and after it
     assert "rollout" in base.probes.enabled and base.probes.sequences is None  # mismatch on every token

@@ -18,12 +18,13 @@ from moe_rl.experiments import get_experiment
 from moe_rl.errors import ConfigError
 from moe_rl.model import ModelConfig
 from moe_rl.rl.overrides import coerce, from_dict, with_overrides
-from moe_rl.rl.run_config import OptimConfig, SFTConfig
+from moe_rl.rl.run_config import OptimConfig, SFTConfig, SFTLogConfig
 from moe_rl.rl.trainer import Trainer
 from moe_rl.runs.runlog import config_to_dict, read_manifest
 from moe_rl.sweep.command import plan_sweep, print_plan
 from moe_rl.sweep.grid import Experiment, axis, format_value, product, run_name, union
 from moe_rl.sweep.jobs import execute_job, run_local
+from moe_rl.sweep.plan import grid_hash
 from moe_rl.sweep.sweepdir import checkpoint_step, planned_action, read_index, read_record, run_action, store_plan
 
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2, d_expert=32, d_dense=64)
@@ -34,7 +35,8 @@ def experiment(grid, *, warm=False, labels=None, **overrides):
     def tiny() -> Experiment:
         base = tiny_train_config("unused", **{"total_steps": 2, "checkpoint_every": 1, "model": ModelConfig(**TINY),
                                               **overrides})
-        warmstart = SFTConfig(steps=5, batch_size=8, eval_every=5, eval_prompts=4, model=ModelConfig(**TINY))
+        warmstart = SFTConfig(total_steps=5, batch_size=8, log=SFTLogConfig(eval_every=5, eval_prompts=4),
+                              model=ModelConfig(**TINY))
         return Experiment(base, grid, warmstart=warmstart if warm else None, labels=labels or {})
 
     return tiny
@@ -97,8 +99,8 @@ def test_architecture_overrides_get_one_warm_start_each(tmp_path):
     for run in plan.runs:
         assert plan.warmstarts[run.warmstart].model.n_layers == run.config.model.n_layers
         assert run.config.init_from.startswith(str(tmp_path / "s" / "warmstart" / run.warmstart))
-    changed = plan_sweep(experiment(grid, warm=True), tmp_path / "s", overrides={"sft.steps": "7"})
-    assert all(w.steps == 7 for w in changed.warmstarts.values())
+    changed = plan_sweep(experiment(grid, warm=True), tmp_path / "s", overrides={"sft.total_steps": "7"})
+    assert all(w.total_steps == 7 for w in changed.warmstarts.values())
     assert set(changed.warmstarts).isdisjoint(plan.warmstarts)  # the key follows the warm start's config
 
 
@@ -250,6 +252,23 @@ def test_a_sweep_stored_before_a_field_was_added_continues_with_its_warm_starts(
     with pytest.raises(ConfigError, match="holds a different grid"):
         check_same_grid(changed)
     assert with_stored_warm_starts(changed) is changed
+
+
+def test_a_sweep_stored_before_sft_took_trains_names_continues_with_its_warm_starts(tmp_path):
+    """A sweep.json written when the warm start's fields were flat (steps, lr, eval_every, ...) has the same hash
+    and warm start keys as the plan now: the directory continues, its warm starts are not trained again."""
+    from moe_rl.sweep.plan import sft_key_form
+    from moe_rl.sweep.sweepdir import check_same_grid, read_sweep
+
+    plan = plan_sweep(experiment(axis("seed", [0, 1]), warm=True), tmp_path / "s")
+    store_plan(plan)
+    data = read_sweep(tmp_path / "s")
+    old = {key: sft_key_form(config) for key, config in data["warmstarts"].items()}
+    assert all("steps" in c and "lr" in c and "optim" not in c and "log" not in c for c in old.values())
+    assert grid_hash(data["runs"], old) == grid_hash(data["runs"], data["warmstarts"]) == data["hash"]
+    (tmp_path / "s" / "sweep.json").write_text(json.dumps({**data, "warmstarts": old}))
+    again = plan_sweep(experiment(axis("seed", [0, 1]), warm=True), tmp_path / "s")
+    assert check_same_grid(again) and list(again.warmstarts) == list(plan.warmstarts)
 
 
 def test_cli_bad_input_exits_2_with_one_line(tmp_path):
