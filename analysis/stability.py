@@ -58,11 +58,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
 from moe_rl.analysis.aggregate import summarize
-from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
+from moe_rl.analysis.sittings import source_name, source_table
+from moe_rl.analysis.stability_terms import AXES, MARGIN, REFERENCE
 from moe_rl.analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from moe_rl.analysis.style import group_looks, in_paper_style, new_figure, save
+
 from moe_rl.errors import DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
@@ -193,35 +194,29 @@ def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     return frame[~repeated].reset_index(drop=True), int(repeated.sum())
 
 
-PER_RUN_TABLES = ("per_run_final.csv", "per_run_eval.csv", "runs.csv")
+PER_RUN_TABLES = ("per_run_final", "per_run_eval", "runs")
 """The generic report's per-run tables (moe_rl.analysis.report) the map is computed from: what results/ commits."""
 
 
-def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
+def pooled_frame(folders: list[Path | str]) -> tuple[pd.DataFrame, int]:
     """The map's frame (with_methods: one row per run with its method, axis values, seed and changes) from the
-    per-run tables of one or more report folders, and how many repeats drop_repeats left out. With several folders
-    (sittings of one sweep whose sweep folders are gone, or an lr and a staleness sweep) each run is named
-    `<folder name>/<run>`, so that runs of the same name in two sittings stay apart; a run of the same method, cell
-    and seed in two folders counts once, and only if their held-out changes agree."""
-    names = [Path(folder).name for folder in folders]
+    per-run tables of one or more sources: report folders, or sittings of a folded study written
+    `<study>@<sitting>` (moe_rl.analysis.sittings), and how many repeats drop_repeats left out. With several
+    sources (sittings of one sweep whose sweep folders are gone, or an lr and a staleness sweep) each run is named
+    `<folder or sitting>/<run>`, so that runs of the same name in two sittings stay apart; a run of the same method,
+    cell and seed in two sources counts once, and only if their held-out changes agree."""
+    names = [source_name(folder) for folder in folders]
     if len(set(names)) < len(names):
         raise DataError(f"report folders to pool share a name ({', '.join(names)}): the runs' names would collide")
     per_run, per_eval = [], []
-    for folder in map(Path, folders):
-        final, evals, runs = (_read_table(folder / "tables" / name) for name in PER_RUN_TABLES)
+    for folder, name in zip(folders, names):
+        final, evals, runs = (source_table(folder, table) for table in PER_RUN_TABLES)
         if len(folders) > 1:
             for table in (final, evals, runs):
-                table["run"] = folder.name + "/" + table["run"].astype(str)
+                table["run"] = name + "/" + table["run"].astype(str)
         per_run.append(with_configs(final, runs))
         per_eval.append(evals)
     return drop_repeats(with_methods(pd.concat(per_run, ignore_index=True), pd.concat(per_eval, ignore_index=True)))
-
-
-def _read_table(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise DataError(f"{path}: no such table (a report folder holds tables/{', tables/'.join(PER_RUN_TABLES)}: "
-                        "moe-rl report or python -m moe_rl.analysis.stability writes them)")
-    return pd.read_csv(path)
 
 
 def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -500,8 +495,10 @@ def main(argv: list[str] | None = None) -> None:
                         "staleness sweep: their shared cell's repeats are dropped); its generic report goes to --out")
     parser.add_argument("--pool", nargs="+", default=[], metavar="REPORT",
                         help="report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, "
-                        "runs.csv: what results/ commits) join the map, e.g. earlier sittings whose sweep folders "
-                        "are gone; without RUNS the map is made from these alone and no generic report is written")
+                        "runs.csv) join the map, or sittings of a folded study written STUDY@SITTING "
+                        "(results/stability@lr_1: rows of results/stability/tables/*.parquet), e.g. earlier sittings "
+                        "whose sweep folders are gone; without RUNS the map is made from these alone and no generic "
+                        "report is written")
     parser.add_argument("--out", required=True, help="output folder (README.md of the generic report, STABILITY.md)")
     parser.add_argument("--baseline", default=None, help="the warm start's moe-rl evaluate output (see moe-rl report)")
     parser.add_argument("--confirm-seeds", default=None, help="comma-separated seeds for a second, confirmatory "
@@ -515,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give a sweep directory (RUNS), report folders to pool (--pool), or both")
     if args.runs is None and args.baseline:
         parser.error("--baseline belongs to the generic report of RUNS; without RUNS none is written")
-    folders = [Path(folder) for folder in args.pool]
+    folders: list[Path | str] = list(args.pool)
     if args.runs is not None:
         folders.insert(0, report(ReportConfig(args.runs, out=args.out, baseline=args.baseline,
                                               equivalence_margin=MARGIN)))
@@ -549,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     from moe_rl.analysis.load import NoRunsError
+
     from moe_rl.errors import ConfigError
 
     try:
