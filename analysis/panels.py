@@ -14,8 +14,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter
-
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
 from moe_rl.analysis.aggregate import layer_churn, mean_ci
 from moe_rl.analysis.load import RunSet
 from moe_rl.analysis.style import Look, NarrowLogLocator, group_looks, keyed_looks, percent_formatter
@@ -43,6 +42,9 @@ X_LABELS = {"update": "optimizer step", "step": "rollout step", "minibatch": "mi
             "layer": "MoE layer (0 = nearest the input)"}
 SMOOTH = {"step": 5, "update": 20}  # centred rolling-mean window per run, in points of x
 SMOOTH_STEPS = SMOOTH["step"]
+# A run is smoothed only when it has at least this many windows of points: a centred 5-step mean of a 3-step run
+# is one flat value (0.062, 0.031, 0.156 drawn as 0.083 three times), and of a 10-step run it hides the ends.
+SMOOTH_MIN_WINDOWS = 3
 COINCIDE = 0.002  # curves closer than this share of the panel's y range everywhere are said to coincide
 
 
@@ -85,6 +87,10 @@ def label_axes(ax: Axes, x: str, metric: str, values=()) -> None:
     values = values[np.isfinite(values)]
     if ax.get_yscale() == "linear" and len(values) and values.min() >= 0:
         ax.set_ylim(bottom=0)
+    for axis in (ax.xaxis, ax.yaxis):
+        # Each tick says its own value ("1e-05", "2e-05"): no "1e-5" multiplier on the far end of the axis.
+        if axis.get_scale() == "linear" and isinstance(axis.get_major_formatter(), ScalarFormatter):
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     if x in ("update", "step", "minibatch", "layer"):
         # At most ~5 integer ticks: narrow panels have no room for more labels.
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
@@ -121,14 +127,18 @@ def floor_zeros(values: pd.Series) -> tuple[pd.Series, int, float]:
 
 
 def smooth(frame: pd.DataFrame, metric: str, x: str) -> tuple[pd.DataFrame, int]:
-    """Per run, the centred rolling mean of `metric` over SMOOTH[x] consecutive logged points; held-out
-    evaluations and other x axes are left as they are. Returns the frame and the window used (1 = none)."""
+    """Per run, the centred rolling mean of `metric` over SMOOTH[x] consecutive logged points, for runs of at least
+    SMOOTH_MIN_WINDOWS windows of points; shorter runs, held-out evaluations and other x axes are left as they are.
+    Returns the frame and the window used (1 = no run was smoothed)."""
     window = 1 if metric.startswith("eval/") else SMOOTH.get(x, 1)
     if window <= 1 or metric not in frame:
         return frame, 1
     out = frame.dropna(subset=[metric]).sort_values(["run", x]).copy()
-    out[metric] = out.groupby("run")[metric].transform(
-        lambda s: s.rolling(window, center=True, min_periods=1).mean())
+    long_enough = out.groupby("run")[metric].transform("size") >= SMOOTH_MIN_WINDOWS * window
+    if not long_enough.any():
+        return frame, 1
+    rolled = out.groupby("run")[metric].transform(lambda s: s.rolling(window, center=True, min_periods=1).mean())
+    out[metric] = rolled.where(long_enough, out[metric])
     return out, window
 
 
@@ -138,6 +148,8 @@ def draw_curves(ax: Axes, data: RunSet, looks: Looks, frame: pd.DataFrame, metri
     diverged runs marked where they stopped; coinciding groups drawn distinguishably and named."""
     smoothed, window = smooth(frame, metric, x)
     summary = mean_ci(smoothed, metric, x=x)
+    if (summary["n"] > 1).any():
+        ax.figure.has_bands = True
     if summary.empty:
         return no_data(ax, metric)
     if log:
@@ -165,7 +177,8 @@ def _remember(fig: Figure, twins: dict, window: int, x: str) -> None:
     """Note on the figure, for its legend: the smoothing used, and each group's twin in every panel that could
     tell them apart (a group coincides with another when it does so in all of them)."""
     if window > 1:
-        fig.curve_notes = getattr(fig, "curve_notes", set()) | {f"rolling mean over {window} {X_LABELS[x]}s per run"}
+        fig.curve_notes = getattr(fig, "curve_notes", set()) | {
+            f"rolling mean over {window} {X_LABELS[x]}s per run of >= {SMOOTH_MIN_WINDOWS * window} (shorter runs raw)"}
     record = getattr(fig, "twins", {})
     for group, twin in twins.items():
         record.setdefault(group, []).append(twin)
@@ -232,6 +245,8 @@ def figure_legend(fig: Figure, data: RunSet, looks: Looks) -> None:
     rows = -(-len(handles) // ncols)
     if rows > 2:  # make room below the panels instead of squeezing them (a sweep can have dozens of groups)
         fig.set_figheight(fig.get_figheight() + 0.16 * rows)
-    notes = sorted(getattr(fig, "curve_notes", set())) + ["bands: 95% CI over seeds"]
-    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, title="; ".join(notes),
+    # The band note only where a band was drawn (a group of two or more runs): not under single-run curves.
+    notes = sorted(getattr(fig, "curve_notes", set())) + (["bands: 95% CI over seeds"] if getattr(
+        fig, "has_bands", False) else [])
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, title="; ".join(notes) or None,
                title_fontsize=6)

@@ -7,13 +7,14 @@ rollout steps, then summarise over runs (mean, interquartile mean, CI). Running,
 included; their status is in the tables and diverged runs are marked where they stopped.
 
     <out>/README.md                        the command, the runs, final scores, the config that produced them
-    <out>/figures/<name>.png and .pdf      see moe_rl.analysis.plots.FIGURES and docs/analysis.md
+    <out>/figures/<name>.png               see moe_rl.analysis.plots.FIGURES and docs/analysis.md
     <out>/tables/runs.csv                  one row per run: group, seed, status, reason, last step, config
     <out>/tables/final_scores.csv          per group and metric: n_runs, n_diverged, mean, iqm, std, ci_low, ci_high
     <out>/tables/layer_churn.csv           per group, probe and layer: churn mean and 95% CI over runs
     <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
     <out>/tables/learning.csv              per group: held-out reward before/after RL, gain with CI, collapses
-    <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
+    <out>/tables/curves.csv                per group, metric and rollout step: mean and 95% CI over runs of the
+                                           raw values (the figures smooth long runs; this table never does)
     <out>/tables/per_run_final.csv         per run: the values every table above summarises (moe_rl.analysis.per_run)
     <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
     <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
@@ -47,6 +48,7 @@ from moe_rl.analysis.comparisons import paired_comparisons
 from moe_rl.analysis.learning import learning_table
 from moe_rl.analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
 from moe_rl.analysis.per_run import per_run_eval, per_run_final, warm_start_name
+from moe_rl.analysis.panels import SMOOTH_MIN_WINDOWS
 from moe_rl.analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from moe_rl.analysis.report_text import (
     baseline_section,
@@ -393,10 +395,12 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
           f"{', '.join(runs)}.\n" for metric, runs in (dropped or {}).items()],
         "## Figures",
         "",
-        *[f"- `figures/{name}.png` (and `.pdf`): {FIGURES[name][1]}." for name in figures],
+        *[f"- `figures/{name}.png`: {FIGURES[name][1]}." for name in figures],
         "",
-        f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run, then mean and 95% CI over "
-        "seeds. How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
+        f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run for runs of at least "
+        f"{SMOOTH_MIN_WINDOWS * SMOOTH_STEPS} steps (shorter runs are drawn raw), then mean and 95% CI over "
+        "seeds; tables/curves.csv holds the mean and CI of the raw values. How to read each figure: "
+        "docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
         "layer_churn, churn_vs_lr_depth (one row per cell: both churn readings, median KL, held-out reward before "
         "and after RL, with CIs over seeds), curves, per_run_final and per_run_eval (the per-run values every "
         "other table summarises, and each run's held-out evaluations), for sweeps of several methods with seeds "

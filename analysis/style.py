@@ -35,7 +35,7 @@ OBJECTIVE_ORDER = ("grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gm
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 SEQUENTIAL_CMAP = "viridis"
 DPI = 300
-FORMATS = ("png", "pdf")
+FORMATS = ("png",)  # results/ keeps PNG; pass formats=("png", "pdf") for a paper's figure
 PAGE_WIDTH = 7.0  # inches: the text width of a two-column paper
 
 RC = {
@@ -188,6 +188,6 @@ def save(fig: Figure, folder: str | Path, name: str, formats: Sequence[str] = FO
         for fmt in formats:
             path = folder / f"{name}.{fmt}"
             metadata = {"CreationDate": None} if fmt == "pdf" else None
-            fig.savefig(path, format=fmt, metadata=metadata)
+            fig.savefig(path, format=fmt, metadata=metadata, bbox_inches="tight", pad_inches=0.03)
             paths.append(path)
     return paths
