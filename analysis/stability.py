@@ -440,8 +440,11 @@ def fig_stability_map(cells: pd.DataFrame):
         for (i, method), (j, value) in itertools.product(enumerate(table.index), enumerate(table.columns)):
             change = table.loc[method, value]
             if math.isfinite(change):
-                ax.text(j, i, f"{change:+.2f}\nL{int(learned.loc[method, value])} D{int(declined.loc[method, value])}"
-                        f"/{int(judged.loc[method, value])}", ha="center", va="center", fontsize=6)
+                counts = f"L{int(learned.loc[method, value])} D{int(declined.loc[method, value])}"
+                # White on the darkest third of the diverging scale, where black text would not read.
+                ink = "white" if abs(change) > 0.6 * limit else "black"
+                ax.text(j, i, f"{change:+.2f}\n{counts}/{int(judged.loc[method, value])}", ha="center", va="center",
+                        fontsize=6, color=ink)
         ax.set_xticks(range(len(table.columns)), [f"{v:g}" for v in table.columns])
         ax.set_yticks(range(len(table.index)), table.index)
         ax.set_xlabel(AXES[axis])
@@ -467,18 +470,22 @@ def fig_change_vs_step(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr")
             ax.scatter(points[column], points["change"], s=14, color=look.color, marker=look.marker, label=method)
         ax.axhline(0.0, color="0.4", linewidth=0.7)
         if column in runs and (runs[column] > 0).any():
-            _log_axis(ax.xaxis, percent=column == "set_change")
+            positive = runs.loc[runs[column] > 0, column]
+            _log_axis(ax.xaxis, percent=column == "set_change", decades=np.log10(positive.max() / positive.min()))
         ax.set_xlabel(label)
         ax.set_ylabel("held-out change, T = 1")
-    axes[0][0].legend(loc="best")
+    # Below the panels: inside them the legend covers points (162 runs fill the lr axis's panels).
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
     return fig
 
 
-def _log_axis(axis, percent: bool) -> None:
-    """A log scale labelled at 1, 2 and 5 of each decade (the runs of one axis often span less than a decade, where
-    the default labels none or overlapping minor ones), in percent or plain numbers."""
+def _log_axis(axis, percent: bool, decades: float = 1.0) -> None:
+    """A log scale labelled at 1, 2 and 5 of each decade when the values span under two decades (where the default
+    labels none or overlapping minor ones), at each decade otherwise (1, 2, 5 over three decades collide), in
+    percent or plain numbers."""
     axis.axes.set_xscale("log")
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades < 2 else (1.0,)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%" if percent else f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
