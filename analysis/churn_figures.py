@@ -16,18 +16,20 @@ when the runs do not vary the learning rate (the report then skips it).
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter
-
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 from moe_rl.analysis.aggregate import summarize
 from moe_rl.analysis.cells import READING_LABELS, READINGS, run_summary
 from moe_rl.analysis.load import RunSet
 from moe_rl.analysis.panels import floor_zeros, log_if_wide, note, percent_axis
 from moe_rl.analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law, split_target
 from moe_rl.analysis.style import LINESTYLES, MARKERS, OKABE_ITO, in_paper_style, new_figure
+
 from moe_rl.errors import ConfigError
 
 SCALING_KEYS = ("optim.lr", "model.n_layers", "model.n_experts", "model.top_k")
@@ -67,13 +69,15 @@ def _paper_line(ax) -> None:
             color="0.3")
 
 
-@in_paper_style
 def fig_churn_scaling(data: RunSet, looks=None) -> Figure | None:
     """Slot churn (top row) and set change (bottom row) vs learning rate, one line per depth (mean and 95% CI
     over seeds), one column per (experts, top-k)."""
-    if not _varies_lr(data):
-        return None
-    per_run = run_summary(data)
+    return fig_churn_scaling_of(run_summary(data)) if _varies_lr(data) else None
+
+
+@in_paper_style
+def fig_churn_scaling_of(per_run: pd.DataFrame) -> Figure:
+    """fig_churn_scaling from the per-run table (moe_rl.analysis.cells.run_summary; a report's per_run_final)."""
     variants = _variants(per_run)
     colours = _palette(per_run["model.n_layers"])
     fig, axes = new_figure(2, len(variants), width=min(7.0, 2.4 * len(variants) + 0.6), row_height=2.2,
@@ -94,13 +98,17 @@ def fig_churn_scaling(data: RunSet, looks=None) -> Figure | None:
                                 curve["ci_high"].fillna(curve["mean"]), color=colour, alpha=0.2, linewidth=0)
             _paper_line(ax)
             ax.set_xscale("log")
-            ax.set_title(f"{experts} experts, top-{top_k}: {READING_LABELS[reading]}", fontsize=7)
+            if row == 0:  # the reading is the row's y label; a column title says the architecture once
+                ax.set_title(f"{experts} experts\ntop-{top_k}", fontsize=7)
             if row == 1:
                 ax.set_xlabel("learning rate")
             _churn_axis(ax, reading, ylabel=col == 0)
-    axes[0, 0].legend(loc="lower right", fontsize=6)
-    note(axes[1, 0], f"band: 95% CI over seeds ({int(per_run.groupby(list(SCALING_KEYS)).size().min())}+ per point)",
-         y=0.12)
+    # One legend for every depth drawn (a panel may hold only some), and the band's meaning as its title.
+    handles = [Line2D([], [], color=c, marker=MARKERS[i % len(MARKERS)], label=f"{d:g} MoE blocks")
+               for i, (d, c) in enumerate(colours.items())]
+    fewest = int(per_run.groupby(list(SCALING_KEYS)).size().min())
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), title_fontsize=6,
+               title=f"bands: 95% CI over seeds ({fewest}+ per point)")
     return fig
 
 
@@ -134,14 +142,19 @@ def fig_churn_layer_profile(data: RunSet, looks=None) -> Figure | None:
     return fig
 
 
-@in_paper_style
 def fig_churn_vs_policy_change(data: RunSet, looks=None) -> Figure | None:
     """Each run's mean slot churn, set change and tokens re-routed against its median k3 KL per update (the mean
     is ruled by rare outlying updates); colour = learning rate, marker = depth. Runs whose reading is 0 are drawn
     hollow at a floor below the smallest value, and the panel says how many."""
     if CHURN not in data.metrics or "update/kl" not in data.metrics:
         return None
-    per_run = run_summary(data).dropna(subset=["kl_median"])
+    return fig_churn_vs_policy_change_of(run_summary(data))
+
+
+@in_paper_style
+def fig_churn_vs_policy_change_of(per_run: pd.DataFrame) -> Figure:
+    """fig_churn_vs_policy_change from the per-run table (run_summary; a report's per_run_final)."""
+    per_run = per_run.dropna(subset=["kl_median"])
     colours = _palette(per_run["optim.lr"])
     depths = sorted(per_run["model.n_layers"].unique())
     readings = [r for r in READINGS if per_run[r].notna().any()]
@@ -157,7 +170,10 @@ def fig_churn_vs_policy_change(data: RunSet, looks=None) -> Figure | None:
                            marker=MARKERS[i % len(MARKERS)], edgecolors="black", linewidths=0.4)
                 ax.scatter(per_run.loc[hollow, "kl_median"], values[hollow], facecolors="none", edgecolors=colour,
                            s=22, marker=MARKERS[i % len(MARKERS)])
-        log_if_wide(ax, "x", per_run["kl_median"])
+        if not log_if_wide(ax, "x", per_run["kl_median"]):
+            # A narrow linear KL axis: few ticks, each with its own value ('0.0001'), no '1e-5' multiplier.
+            ax.xaxis.set_major_locator(MaxNLocator(4))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.2g}"))
         log_if_wide(ax, "y", values)
         if zeros:
             note(ax, f"{zeros} of {len(per_run)} runs read 0: hollow, at {100 * floor:.2g}%")
@@ -177,15 +193,18 @@ def _target_band(laws, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.percentile(predictions, 2.5, axis=0), np.percentile(predictions, 97.5, axis=0)
 
 
-@in_paper_style
 def fig_scaling_fit(data: RunSet, looks=None) -> Figure | None:
     """Per reading: runs (colour = depth, marker = (E, K)), the fitted power law for each swept architecture,
     and the law extrapolated to 48 layers / 128 experts / top-8 (black, with its bootstrap 95% band), against
     the median KL per update; runs of that architecture (the paper-shaped arm), held out of the fit, are black
     stars; the dashed line is the paper's 10%."""
-    if not _varies_lr(data):
-        return None
-    per_run, held_out = split_target(run_summary(data))
+    return fig_scaling_fit_of(run_summary(data)) if _varies_lr(data) else None
+
+
+@in_paper_style
+def fig_scaling_fit_of(per_run: pd.DataFrame) -> Figure | None:
+    """fig_scaling_fit from the per-run table (run_summary; a report's per_run_final); None when no law fits."""
+    per_run, held_out = split_target(per_run)
     try:
         laws = {reading: fit_power_law(per_run, reading) for reading in FITTED}
     except ConfigError:
@@ -221,7 +240,9 @@ def fig_scaling_fit(data: RunSet, looks=None) -> Figure | None:
         ax.set_xlabel("median KL per update (nats, k3)")
         terms = ", ".join(f"{p.split('.')[-1].replace('kl_median', 'KL')}^{c:.2f}"
                           for p, c in zip(law.predictors, law.coef))
-        ax.set_title(f"{READING_LABELS[reading]} ~ {terms}\nR^2 {law.r2:.2f}, {law.n} runs", fontsize=6.5)
+        # Wrapped: with five predictors the two panels' titles would run into each other.
+        ax.set_title(textwrap.fill(f"{READING_LABELS[reading]} ~ {terms}", 52) + f"\nR^2 {law.r2:.2f}, {law.n} runs",
+                     fontsize=6.5)
         ax.xaxis.set_minor_formatter(NullFormatter())
     handles = [Line2D([], [], color=c, marker="o", label=f"{d:g} blocks") for d, c in colours.items()]
     handles += [Line2D([], [], color="0.3", marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % 4],

@@ -1,21 +1,24 @@
 """Panels that the report's figures share: labelled axes, seed-mean curves with CI bands, per-layer churn.
 
-A curve is the mean over a group's runs with a 95% CI band over seeds (Student t; moe_rl.analysis.aggregate.mean_ci). Noisy
-per-step series are first smoothed per run by a centred rolling mean (SMOOTH: 5 rollout steps, 20 optimizer
-steps; held-out evaluations, which are sparse, are not smoothed), and the panel says so. Two groups whose curves
-coincide (R2 and R3 on CPU) are drawn so both stay visible (the later one dashed, with large hollow markers, on
-top) and the figure's legend says "(coincides with ...)". Heavy-tailed quantities (the k3 per-update KL) are summarised by medians, never means.
+A curve is the mean over a group's runs with a 95% CI band over seeds (Student t; moe_rl.analysis.aggregate.mean_ci).
+Noisy per-step series of runs long enough (SMOOTH_MIN_WINDOWS windows) are first smoothed per run by a centred
+rolling mean (SMOOTH: 5 rollout steps, 20 optimizer steps; held-out evaluations, which are sparse, are not smoothed),
+and the legend says so. Two groups whose curves coincide (R2 and R3 on CPU) are drawn so both stay visible (the later
+one dashed, with large hollow markers, on top) and the figure's legend says "(coincides with ...)". Heavy-tailed
+quantities (the k3 per-update KL) are summarised by medians, never means. Legends name groups in words (`words`),
+and a figure of one line per group holds at most MAX_GROUPS of them (`facet_groups` splits more).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter
-
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
 from moe_rl.analysis.aggregate import layer_churn, mean_ci
 from moe_rl.analysis.load import RunSet
 from moe_rl.analysis.style import Look, NarrowLogLocator, group_looks, keyed_looks, percent_formatter
@@ -40,9 +43,12 @@ LABELS = {
 PERCENT = {"routing/update/churn", "routing/update/set_change", "routing/update/token_any",
            "routing/staleness/churn", "routing/rollout/churn", "clip_ratio/region_mean", "ratio/extreme_frac"}
 X_LABELS = {"update": "optimizer step", "step": "rollout step", "minibatch": "minibatch j of the rollout step",
-            "layer": "MoE layer (0 = nearest the input)"}
+            "layer": "MoE layer (0 = first)"}
 SMOOTH = {"step": 5, "update": 20}  # centred rolling-mean window per run, in points of x
 SMOOTH_STEPS = SMOOTH["step"]
+# A run is smoothed only when it has at least this many windows of points: a centred 5-step mean of a 3-step run
+# is one flat value (0.062, 0.031, 0.156 drawn as 0.083 three times), and of a 10-step run it hides the ends.
+SMOOTH_MIN_WINDOWS = 3
 COINCIDE = 0.002  # curves closer than this share of the panel's y range everywhere are said to coincide
 
 
@@ -85,6 +91,10 @@ def label_axes(ax: Axes, x: str, metric: str, values=()) -> None:
     values = values[np.isfinite(values)]
     if ax.get_yscale() == "linear" and len(values) and values.min() >= 0:
         ax.set_ylim(bottom=0)
+    for axis in (ax.xaxis, ax.yaxis):
+        # Each tick says its own value ("1e-05", "2e-05"): no "1e-5" multiplier on the far end of the axis.
+        if axis.get_scale() == "linear" and isinstance(axis.get_major_formatter(), ScalarFormatter):
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     if x in ("update", "step", "minibatch", "layer"):
         # At most ~5 integer ticks: narrow panels have no room for more labels.
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
@@ -121,14 +131,18 @@ def floor_zeros(values: pd.Series) -> tuple[pd.Series, int, float]:
 
 
 def smooth(frame: pd.DataFrame, metric: str, x: str) -> tuple[pd.DataFrame, int]:
-    """Per run, the centred rolling mean of `metric` over SMOOTH[x] consecutive logged points; held-out
-    evaluations and other x axes are left as they are. Returns the frame and the window used (1 = none)."""
+    """Per run, the centred rolling mean of `metric` over SMOOTH[x] consecutive logged points, for runs of at least
+    SMOOTH_MIN_WINDOWS windows of points; shorter runs, held-out evaluations and other x axes are left as they are.
+    Returns the frame and the window used (1 = no run was smoothed)."""
     window = 1 if metric.startswith("eval/") else SMOOTH.get(x, 1)
     if window <= 1 or metric not in frame:
         return frame, 1
     out = frame.dropna(subset=[metric]).sort_values(["run", x]).copy()
-    out[metric] = out.groupby("run")[metric].transform(
-        lambda s: s.rolling(window, center=True, min_periods=1).mean())
+    long_enough = out.groupby("run")[metric].transform("size") >= SMOOTH_MIN_WINDOWS * window
+    if not long_enough.any():
+        return frame, 1
+    rolled = out.groupby("run")[metric].transform(lambda s: s.rolling(window, center=True, min_periods=1).mean())
+    out[metric] = rolled.where(long_enough, out[metric])
     return out, window
 
 
@@ -138,6 +152,8 @@ def draw_curves(ax: Axes, data: RunSet, looks: Looks, frame: pd.DataFrame, metri
     diverged runs marked where they stopped; coinciding groups drawn distinguishably and named."""
     smoothed, window = smooth(frame, metric, x)
     summary = mean_ci(smoothed, metric, x=x)
+    if (summary["n"] > 1).any():
+        ax.figure.has_bands = True
     if summary.empty:
         return no_data(ax, metric)
     if log:
@@ -165,7 +181,8 @@ def _remember(fig: Figure, twins: dict, window: int, x: str) -> None:
     """Note on the figure, for its legend: the smoothing used, and each group's twin in every panel that could
     tell them apart (a group coincides with another when it does so in all of them)."""
     if window > 1:
-        fig.curve_notes = getattr(fig, "curve_notes", set()) | {f"rolling mean over {window} {X_LABELS[x]}s per run"}
+        fig.curve_notes = getattr(fig, "curve_notes", set()) | {
+            f"rolling mean over {window} {X_LABELS[x]}s per run of >= {SMOOTH_MIN_WINDOWS * window} (shorter runs raw)"}
     record = getattr(fig, "twins", {})
     for group, twin in twins.items():
         record.setdefault(group, []).append(twin)
@@ -204,7 +221,8 @@ def draw_layer_curves(ax: Axes, data: RunSet, looks: Looks, probe: str = "update
     for group in data.groups:
         rows = table[table["group"] == group]
         curve = rows.rename(columns={column: "mean"})
-        twin = next((g for g, c in drawn.items() if _same_curve(c, curve, "layer", COINCIDE * span)), None) if span else None
+        twin = next((g for g, c in drawn.items() if _same_curve(c, curve, "layer", COINCIDE * span)),
+                    None) if span else None
         look = looks[group]
         err = np.vstack([rows[column] - rows[low], rows[high] - rows[column]])
         ax.errorbar(rows["layer"], rows[column], yerr=np.nan_to_num(err), color=look.color,
@@ -222,7 +240,8 @@ def figure_legend(fig: Figure, data: RunSet, looks: Looks) -> None:
     so), a cross for 'diverged' if any run diverged, and the smoothing and bands as its title."""
     twins = coinciding(fig)
     handles = [Line2D([], [], color=looks[g].color, linestyle="--" if g in twins else looks[g].linestyle,
-                      marker=looks[g].marker, label=f"{g} (coincides with {twins[g]})" if g in twins else g)
+                      marker=looks[g].marker,
+                      label=f"{words(g)} (coincides with {words(twins[g])})" if g in twins else words(g))
                for g in data.groups]
     if (data.runs["status"] == "diverged").any():
         handles.append(Line2D([], [], color="0.2", marker="x", linestyle="none", label="diverged (run stopped)"))
@@ -232,6 +251,77 @@ def figure_legend(fig: Figure, data: RunSet, looks: Looks) -> None:
     rows = -(-len(handles) // ncols)
     if rows > 2:  # make room below the panels instead of squeezing them (a sweep can have dozens of groups)
         fig.set_figheight(fig.get_figheight() + 0.16 * rows)
-    notes = sorted(getattr(fig, "curve_notes", set())) + ["bands: 95% CI over seeds"]
-    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, title="; ".join(notes),
+    # The band note only where a band was drawn (a group of two or more runs): not under single-run curves.
+    notes = sorted(getattr(fig, "curve_notes", set())) + (["bands: 95% CI over seeds"] if getattr(
+        fig, "has_bands", False) else [])
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, title="; ".join(notes) or None,
                title_fontsize=6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Group labels in words, and facets of at most MAX_GROUPS groups
+
+MAX_GROUPS = 8  # lines one panel can hold and a reader can tell apart (Okabe-Ito has 8 colours)
+_PART = re.compile(r"(\S+?)=(\[[^\]]*\]|\S+)|(\S+)")  # key=value (a value may be a bracketed list) or a bare word
+# Label parts (key=value, as moe_rl.analysis.aggregate.group_label writes them) in words, applied in order.
+WORDS = (
+    (re.compile(r"\bis_level=none\b"), "no correction"),
+    (re.compile(r"\bis_level=token is_cap=(\S+)"), r"TIS cap \1"),
+    (re.compile(r"\bis_level=token is_band=\[([^\]]*)\]"), r"IcePop [\1]"),
+    (re.compile(r"\bis_level=(\S+)"), r"\1-level correction"),
+    (re.compile(r"\bprecision=(\S+)"), r"\1 sampler"),
+    (re.compile(r"\bexperts=(\S+) top-k=(\S+)"), r"\1 experts top-\2"),
+    (re.compile(r"\blayers=(\S+)"), r"\1 blocks"),
+    (re.compile(r"\bd_expert=(\S+)"), r"expert width \1"),
+    (re.compile(r"\binit_depth=0\b"), "own-depth init"),
+    (re.compile(r"\binit_depth=(\S+)"), r"init of \1 blocks"),
+    (re.compile(r"\bminibatches=(\S+)"), r"\1 minibatches"),
+    (re.compile(r"\blr=(\S+)"), r"lr \1"),
+    (re.compile(r"\b(\w+)=(\S+)"), r"\1 \2"),
+)
+
+
+def label_parts(label: str) -> dict[str, str]:
+    """'R3 precision=bf16 is_level=none' -> {'#0': 'R3', 'precision': 'bf16', 'is_level': 'none'}: key=value
+    parts by key, bare words by position."""
+    parts = {}
+    for i, match in enumerate(_PART.finditer(label)):
+        key, value, word = match.groups()
+        parts.update({key: value} if key else {f"#{i}": word})
+    return parts
+
+
+def words(label: str, drop: str = "") -> str:
+    """A group label in words ('native precision=bf16 is_level=token is_cap=2' -> 'native bf16 sampler TIS cap 2'),
+    without the part `drop` (a facet's shared part, said once in its title)."""
+    if drop:
+        label = " ".join(label.replace(drop, " ").split())
+    for pattern, replacement in WORDS:
+        label = pattern.sub(replacement, label)
+    return label.replace(".0]", "]").replace(".0,", ",") or "all runs"
+
+
+def facet_groups(groups: list[str], max_groups: int = MAX_GROUPS) -> list[tuple[str, list[str]]]:
+    """`groups` in facets of at most `max_groups`: split by the label part whose values give the fewest facets
+    (at most `max_groups` of them) that all fit (the facet is named by that part, e.g. 'precision=bf16'), else in
+    runs of `max_groups`, named 'part 1', 'part 2', ..."""
+    if len(groups) <= max_groups:
+        return [("", list(groups))]
+    parts = [label_parts(g) for g in groups]
+    best = None
+    for key in dict.fromkeys(k for p in parts for k in p):
+        blocks: dict[str, list[str]] = {}
+        for group, p in zip(groups, parts):
+            blocks.setdefault(p.get(key, ""), []).append(group)
+        fits = 1 < len(blocks) <= max_groups and max(map(len, blocks.values())) <= max_groups  # few facets, each fits
+        if fits and (best is None or len(blocks) < len(best[1])):
+            best = (key, blocks)
+    if best is None:
+        return [(f"part {i // max_groups + 1}", groups[i:i + max_groups]) for i in range(0, len(groups), max_groups)]
+    key, blocks = best
+    return [(value if key.startswith("#") else f"{key}={value}", chunk) for value, chunk in blocks.items()]
+
+
+def slug(facet: str) -> str:
+    """A facet in words as a file-name part ('precision=bf16' -> 'bf16_sampler')."""
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in words(facet)).strip("_")

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-
 from moe_rl.analysis.aggregate import _label_part
 from moe_rl.analysis.churn_figures import (
     fig_churn_layer_profile,
@@ -40,6 +39,7 @@ from moe_rl.analysis.panels import (
     looks_for,
     no_data,
     present,
+    words,
 )
 from moe_rl.analysis.style import SEQUENTIAL_CMAP, in_paper_style, new_figure, percent_formatter
 
@@ -119,7 +119,7 @@ def fig_layer_heatmap(data: RunSet, looks: Looks) -> Figure | None:
                 ax.set_axis_off()
                 continue
             title = group if not row_labels[r] else group.replace(_short(row_labels[r]), "").strip()
-            ax.set_title(textwrap.fill(title, 22), fontsize=5.5)
+            ax.set_title(textwrap.fill(words(title), 22), fontsize=5.5)
             cells = update[update["group"] == group].pivot_table(index="layer", columns="step", values="churn",
                                                                 aggfunc="mean")
             if cells.empty:
@@ -130,7 +130,7 @@ def fig_layer_heatmap(data: RunSet, looks: Looks) -> Figure | None:
             ax.tick_params(labelsize=5)
             ax.xaxis.set_major_locator(MaxNLocator(3, integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(3, integer=True))
-        axes[r, 0].set_ylabel(f"{_short(row_labels[r])}\nMoE layer".strip(), fontsize=6)
+        axes[r, 0].set_ylabel(f"{words(_short(row_labels[r]))}\nMoE layer".strip(), fontsize=6)
     for ax in axes[-1]:
         ax.set_xlabel(X_LABELS["step"], fontsize=6)
     if mesh is not None:

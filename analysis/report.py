@@ -7,13 +7,14 @@ rollout steps, then summarise over runs (mean, interquartile mean, CI). Running,
 included; their status is in the tables and diverged runs are marked where they stopped.
 
     <out>/README.md                        the command, the runs, final scores, the config that produced them
-    <out>/figures/<name>.png and .pdf      see moe_rl.analysis.plots.FIGURES and docs/analysis.md
+    <out>/figures/<name>.png               see moe_rl.analysis.plots.FIGURES and docs/analysis.md
     <out>/tables/runs.csv                  one row per run: group, seed, status, reason, last step, config
     <out>/tables/final_scores.csv          per group and metric: n_runs, n_diverged, mean, iqm, std, ci_low, ci_high
     <out>/tables/layer_churn.csv           per group, probe and layer: churn mean and 95% CI over runs
     <out>/tables/churn_vs_lr_depth.csv     per group, learning rate and depth: update churn and policy change
     <out>/tables/learning.csv              per group: held-out reward before/after RL, gain with CI, collapses
-    <out>/tables/curves.csv                per group, metric and rollout step: the plotted mean and CI
+    <out>/tables/curves.csv                per group, metric and rollout step: mean and 95% CI over runs of the
+                                           raw values (the figures smooth long runs; this table never does)
     <out>/tables/per_run_final.csv         per run: the values every table above summarises (moe_rl.analysis.per_run)
     <out>/tables/per_run_eval.csv          per run and evaluation step: the held-out curves
     <out>/tables/paired_comparisons.csv    sweeps of several methods with seeds: paired differences, Holm, TOST
@@ -27,6 +28,7 @@ included; their status is in the tables and diverged runs are marked where they 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -39,13 +41,13 @@ from typing import Annotated
 
 import pandas as pd
 import tyro
-
 from moe_rl.analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci, run_finals
 from moe_rl.analysis.baseline import against_baseline, read_baseline, with_baseline
 from moe_rl.analysis.cells import churn_vs_lr_depth, run_summary
 from moe_rl.analysis.comparisons import paired_comparisons
 from moe_rl.analysis.learning import learning_table
 from moe_rl.analysis.load import INFO_COLUMNS, RunSet, distinct_values, load_runs
+from moe_rl.analysis.panels import SMOOTH_MIN_WINDOWS, facet_groups, slug, words
 from moe_rl.analysis.per_run import per_run_eval, per_run_final, warm_start_name
 from moe_rl.analysis.plots import FIGURES, SMOOTH_STEPS, looks_for
 from moe_rl.analysis.report_text import (
@@ -67,6 +69,7 @@ from moe_rl.analysis.scaling import (
     warm_start_cluster,
 )
 from moe_rl.analysis.style import FORMATS, save
+
 from moe_rl.errors import ConfigError, check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
@@ -319,18 +322,42 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
     return tables
 
 
+SPLIT_FIGURES = ("update_churn", "layer_churn_depth", "reward", "stability")  # one line per group: facets beyond 8
+
+
 def write_figures(data: RunSet, folder: Path) -> tuple[list[str], list[str]]:
-    """Every figure of FIGURES that applies to these runs; returns the names written and the panels left out
-    (all zero or not logged), as "figure: panel (why)"."""
-    looks, written, skipped = looks_for(data), [], []
+    """Every figure of FIGURES that applies to these runs; returns the files written (stems: `reward`, or
+    `reward_<facet>` for each facet of a figure of one line per group when there are more than MAX_GROUPS groups)
+    and the panels left out (all zero or not logged), as "figure: panel (why)"."""
+    written, skipped = [], []
     for name, (make, _) in FIGURES.items():
-        fig = make(data, looks)
-        if fig is None:
-            continue
-        skipped += [f"{name}: {panel}" for panel in getattr(fig, "skipped_panels", [])]
-        save(fig, folder, name, FORMATS)
-        written.append(name)
+        facets = facet_groups(data.groups) if name in SPLIT_FIGURES else [("", data.groups)]
+        for facet, groups in facets:
+            part = data if not facet else subset_groups(data, groups)
+            fig = make(part, looks_for(part))
+            if fig is None:
+                continue
+            if facet:
+                fig.suptitle(words(facet), fontsize=8)
+            stem = f"{name}_{slug(facet)}" if facet else name
+            skipped += [f"{stem}: {panel}" for panel in getattr(fig, "skipped_panels", [])]
+            save(fig, folder, stem, FORMATS)
+            written.append(stem)
     return written, skipped
+
+
+def subset_groups(data: RunSet, groups: list[str]) -> RunSet:
+    """`data` restricted to the runs of `groups` (a facet of a figure)."""
+    def keep(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame[frame["group"].isin(groups)] if "group" in frame else frame
+
+    return dataclasses.replace(data, runs=keep(data.runs), metrics=keep(data.metrics), steps=keep(data.steps),
+                               routing=keep(data.routing), groups=list(groups))
+
+
+def figure_of(stem: str) -> str:
+    """The FIGURES name a written file stem belongs to ('reward_bf16_sampler' -> 'reward')."""
+    return stem if stem in FIGURES else next(n for n in SPLIT_FIGURES if stem.startswith(f"{n}_"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -399,10 +426,12 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
           f"{', '.join(runs)}.\n" for metric, runs in (dropped or {}).items()],
         "## Figures",
         "",
-        *[f"- `figures/{name}.png` (and `.pdf`): {FIGURES[name][1]}." for name in figures],
+        *[f"- `figures/{stem}.png`: {FIGURES[figure_of(stem)][1]}." for stem in figures],
         "",
-        f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run, then mean and 95% CI over "
-        "seeds. How to read each figure: docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
+        f"Time series are rolling means over {SMOOTH_STEPS} rollout steps per run for runs of at least "
+        f"{SMOOTH_MIN_WINDOWS * SMOOTH_STEPS} steps (shorter runs are drawn raw), then mean and 95% CI over "
+        "seeds; tables/curves.csv holds the mean and CI of the raw values. How to read each figure: "
+        "docs/analysis.md. Tables (CSV) are in `tables/`: runs, final_scores, "
         "layer_churn, churn_vs_lr_depth (one row per cell: both churn readings, median KL, held-out reward before "
         "and after RL, with CIs over seeds), curves, per_run_final and per_run_eval (the per-run values every "
         "other table summarises, and each run's held-out evaluations), for sweeps of several methods with seeds "

@@ -60,11 +60,12 @@ import numpy as np
 import pandas as pd
 import tyro
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
 from moe_rl.analysis.aggregate import summarize
-from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
+from moe_rl.analysis.sittings import source_name, source_table
+from moe_rl.analysis.stability_terms import AXES, MARGIN, REFERENCE
 from moe_rl.analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from moe_rl.analysis.style import group_looks, in_paper_style, new_figure, save
+
 from moe_rl.errors import ConfigError, DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
@@ -195,35 +196,29 @@ def drop_repeats(frame: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     return frame[~repeated].reset_index(drop=True), int(repeated.sum())
 
 
-PER_RUN_TABLES = ("per_run_final.csv", "per_run_eval.csv", "runs.csv")
+PER_RUN_TABLES = ("per_run_final", "per_run_eval", "runs")
 """The generic report's per-run tables (moe_rl.analysis.report) the map is computed from: what results/ commits."""
 
 
-def pooled_frame(folders: list[Path]) -> tuple[pd.DataFrame, int]:
+def pooled_frame(folders: list[Path | str]) -> tuple[pd.DataFrame, int]:
     """The map's frame (with_methods: one row per run with its method, axis values, seed and changes) from the
-    per-run tables of one or more report folders, and how many repeats drop_repeats left out. With several folders
-    (sittings of one sweep whose sweep folders are gone, or an lr and a staleness sweep) each run is named
-    `<folder name>/<run>`, so that runs of the same name in two sittings stay apart; a run of the same method, cell
-    and seed in two folders counts once, and only if their held-out changes agree."""
-    names = [Path(folder).name for folder in folders]
+    per-run tables of one or more sources: report folders, or sittings of a folded study written
+    `<study>@<sitting>` (moe_rl.analysis.sittings), and how many repeats drop_repeats left out. With several
+    sources (sittings of one sweep whose sweep folders are gone, or an lr and a staleness sweep) each run is named
+    `<folder or sitting>/<run>`, so that runs of the same name in two sittings stay apart; a run of the same method,
+    cell and seed in two sources counts once, and only if their held-out changes agree."""
+    names = [source_name(folder) for folder in folders]
     if len(set(names)) < len(names):
         raise DataError(f"report folders to pool share a name ({', '.join(names)}): the runs' names would collide")
     per_run, per_eval = [], []
-    for folder in map(Path, folders):
-        final, evals, runs = (_read_table(folder / "tables" / name) for name in PER_RUN_TABLES)
+    for folder, name in zip(folders, names):
+        final, evals, runs = (source_table(folder, table) for table in PER_RUN_TABLES)
         if len(folders) > 1:
             for table in (final, evals, runs):
-                table["run"] = folder.name + "/" + table["run"].astype(str)
+                table["run"] = name + "/" + table["run"].astype(str)
         per_run.append(with_configs(final, runs))
         per_eval.append(evals)
     return drop_repeats(with_methods(pd.concat(per_run, ignore_index=True), pd.concat(per_eval, ignore_index=True)))
-
-
-def _read_table(path: Path) -> pd.DataFrame:
-    if not path.is_file():
-        raise DataError(f"{path}: no such table (a report folder holds tables/{', tables/'.join(PER_RUN_TABLES)}: "
-                        "moe-rl report or moe-rl stability writes them)")
-    return pd.read_csv(path)
 
 
 def axis_runs(frame: pd.DataFrame, axis: str, fixed: dict) -> pd.DataFrame:
@@ -447,8 +442,11 @@ def fig_stability_map(cells: pd.DataFrame):
         for (i, method), (j, value) in itertools.product(enumerate(table.index), enumerate(table.columns)):
             change = table.loc[method, value]
             if math.isfinite(change):
-                ax.text(j, i, f"{change:+.2f}\nL{int(learned.loc[method, value])} D{int(declined.loc[method, value])}"
-                        f"/{int(judged.loc[method, value])}", ha="center", va="center", fontsize=6)
+                counts = f"L{int(learned.loc[method, value])} D{int(declined.loc[method, value])}"
+                # White on the darkest third of the diverging scale, where black text would not read.
+                ink = "white" if abs(change) > 0.6 * limit else "black"
+                ax.text(j, i, f"{change:+.2f}\n{counts}/{int(judged.loc[method, value])}", ha="center", va="center",
+                        fontsize=6, color=ink)
         ax.set_xticks(range(len(table.columns)), [f"{v:g}" for v in table.columns])
         ax.set_yticks(range(len(table.index)), table.index)
         ax.set_xlabel(AXES[axis])
@@ -474,18 +472,22 @@ def fig_change_vs_step(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr")
             ax.scatter(points[column], points["change"], s=14, color=look.color, marker=look.marker, label=method)
         ax.axhline(0.0, color="0.4", linewidth=0.7)
         if column in runs and (runs[column] > 0).any():
-            _log_axis(ax.xaxis, percent=column == "set_change")
+            positive = runs.loc[runs[column] > 0, column]
+            _log_axis(ax.xaxis, percent=column == "set_change", decades=np.log10(positive.max() / positive.min()))
         ax.set_xlabel(label)
         ax.set_ylabel("held-out change, T = 1")
-    axes[0][0].legend(loc="best")
+    # Below the panels: inside them the legend covers points (162 runs fill the lr axis's panels).
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
     return fig
 
 
-def _log_axis(axis, percent: bool) -> None:
-    """A log scale labelled at 1, 2 and 5 of each decade (the runs of one axis often span less than a decade, where
-    the default labels none or overlapping minor ones), in percent or plain numbers."""
+def _log_axis(axis, percent: bool, decades: float = 1.0) -> None:
+    """A log scale labelled at 1, 2 and 5 of each decade when the values span under two decades (where the default
+    labels none or overlapping minor ones), at each decade otherwise (1, 2, 5 over three decades collide), in
+    percent or plain numbers."""
     axis.axes.set_xscale("log")
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades < 2 else (1.0,)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100 * v:g}%" if percent else f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -500,9 +502,10 @@ class StabilityConfig:
     out: str = ""
     """Output folder (README.md of the generic report, STABILITY.md); required."""
     pool: Annotated[tuple[str, ...], tyro.conf.arg(metavar="REPORT [REPORT ...]")] = ()
-    """Report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, runs.csv: what results/
-    commits) join the map, e.g. earlier sittings whose sweep folders are gone; without RUNS the map is made from
-    these alone and no generic report is written."""
+    """Report folders whose per-run tables (tables/per_run_final.csv, per_run_eval.csv, runs.csv) join the map, or
+    sittings of a folded study written STUDY@SITTING (results/stability@lr_1: rows of
+    results/stability/tables/*.parquet), e.g. earlier sittings whose sweep folders are gone; without RUNS the map is
+    made from these alone and no generic report is written."""
     baseline: str | None = None
     """The warm start's moe-rl evaluate output (see moe-rl report)."""
     confirm_seeds: str | None = None
@@ -539,7 +542,7 @@ def stability_map(cfg: StabilityConfig) -> Path:
     from moe_rl.experiments.stability import FIXED_LR, FIXED_MINIBATCHES
 
     cfg.check()
-    folders = [Path(folder) for folder in cfg.pool]
+    folders: list[Path | str] = list(cfg.pool)
     if cfg.runs is not None:
         folders.insert(0, report(ReportConfig(cfg.runs, out=cfg.out, baseline=cfg.baseline,
                                               equivalence_margin=MARGIN)))

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pandas as pd
-
+from moe_rl.analysis.sittings import is_sitting_source, source_name
 from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 
 
@@ -74,15 +74,24 @@ def _paired_markdown(paired: pd.DataFrame, mdd: pd.DataFrame | None, which: str 
     return lines
 
 
-def sources_line(folders: list[Path], frame: pd.DataFrame, repeats: int, out: Path) -> str:
-    """Which report folders' per-run tables the map was made from, with their runs (paths relative to `out`)."""
+def sources_line(folders: list[Path | str], frame: pd.DataFrame, repeats: int, out: Path) -> str:
+    """Which report folders' (or folded sittings') per-run tables the map was made from, with their runs (paths
+    relative to `out`)."""
     if len(folders) == 1:
-        return f"Made from the per-run tables of `{os.path.relpath(folders[0], out)}/tables` ({len(frame)} runs)."
+        return f"Made from the per-run tables of `{_where(folders[0], out)}` ({len(frame)} runs)."
     counts = frame["run"].str.split("/", n=1).str[0].value_counts()
-    parts = [f"`{os.path.relpath(folder, out)}` ({int(counts.get(folder.name, 0))} runs)" for folder in folders]
+    parts = [f"`{_where(folder, out)}` ({int(counts.get(source_name(folder), 0))} runs)" for folder in folders]
     return (f"Made from the per-run tables of {', '.join(parts)}, pooled: each run named `<folder>/<run>`; "
             f"{repeats} repeat(s) of a method, cell and seed in two folders, with the same held-out change, "
             "counted once.")
+
+
+def _where(source: Path | str, out: Path) -> str:
+    """A report folder's tables, or a folded sitting (`<study>@<sitting>`), relative to `out`."""
+    if is_sitting_source(source):
+        study, sitting = str(source).rsplit("@", 1)
+        return f"{os.path.relpath(study, out)}/tables/*.parquet, sitting {sitting}"
+    return f"{os.path.relpath(source, out)}/tables"
 
 
 def _with_ci(value: float, low: float, high: float) -> str:

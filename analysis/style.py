@@ -16,6 +16,7 @@ touched, and PNG/PDF are rendered by the Agg and PDF canvases.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,7 @@ OBJECTIVE_ORDER = ("grpo", "gspo", "gspo_token", "dr_grpo", "dapo", "cispo", "gm
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 SEQUENTIAL_CMAP = "viridis"
 DPI = 300
-FORMATS = ("png", "pdf")
+FORMATS = ("png",)  # results/ keeps PNG; pass formats=("png", "pdf") for a paper's figure
 PAGE_WIDTH = 7.0  # inches: the text width of a two-column paper
 
 RC = {
@@ -179,7 +180,8 @@ def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = PAGE_WIDTH, r
 
 
 def save(fig: Figure, folder: str | Path, name: str, formats: Sequence[str] = FORMATS) -> list[Path]:
-    """Write `name`.png (DPI dots per inch) and `name`.pdf into `folder`; PDFs carry no creation date so that
+    """Write `name`.<format> for each of `formats` (PNG at DPI dots per inch, 256 colours; PDF on request) into
+    `folder`, cut to the drawn artists (bbox "tight") so that no label is clipped; PDFs carry no creation date so that
     the same data gives the same file."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -187,7 +189,21 @@ def save(fig: Figure, folder: str | Path, name: str, formats: Sequence[str] = FO
     with paper():
         for fmt in formats:
             path = folder / f"{name}.{fmt}"
-            metadata = {"CreationDate": None} if fmt == "pdf" else None
-            fig.savefig(path, format=fmt, metadata=metadata)
+            if fmt == "png":
+                _save_png(fig, path)
+            else:
+                metadata = {"CreationDate": None} if fmt == "pdf" else None
+                fig.savefig(path, format=fmt, metadata=metadata, bbox_inches="tight", pad_inches=0.03)
             paths.append(path)
     return paths
+
+
+def _save_png(fig: Figure, path: Path) -> None:
+    """A PNG of 256 colours: line plots with translucent bands look the same and take a third of the bytes of
+    full colour, which keeps results/ within its budget (tests/test_results_folder.py)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight", pad_inches=0.03)
+    image = Image.open(buffer).convert("RGB")
+    image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)

@@ -127,19 +127,33 @@ def grid_hash(runs: list[dict], warmstarts: Mapping[str, dict]) -> str:
 SFT_KEY_FIELDS = {"optim": ("lr", "warmup_steps", "weight_decay", "grad_clip"),
                   "log": ("eval_every", "eval_prompts", "print_every", "trackers", "wandb")}
 SFT_OLD_CONSTANTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+# Fields a warm start's config gained after those keys were made, with the value that behaves as before: hashed only
+# when set to something else, so that adding a field moves no existing key.
+SFT_ADDED_FIELDS = {("sampling", "min_new_tokens"): 0}
 
 
 def sft_key_form(config: Mapping[str, Any]) -> dict[str, Any]:
     """An SFT config's JSON form in the layout its key has always hashed: total_steps as steps, the optim and log
-    fields at the top; optim's other fields (betas, eps) only where they differ from the constants of that time. A
-    config in that layout already (an older sweep.json's) comes back as it is."""
+    fields at the top; optim's other fields (betas, eps) only where they differ from the constants of that time, and
+    fields added since (SFT_ADDED_FIELDS) only where set. A config in that layout already (an older sweep.json's)
+    comes back as it is, less those added fields."""
+    config = _without_added_defaults(config)
     if "total_steps" not in config:
-        return dict(config)
+        return config
     flat = {("steps" if k == "total_steps" else k): v for k, v in config.items() if k not in SFT_KEY_FIELDS}
     for group, names in SFT_KEY_FIELDS.items():
         flat.update({name: config[group][name] for name in names})
     changed = {k: v for k, v in config["optim"].items() if k in SFT_OLD_CONSTANTS and v != SFT_OLD_CONSTANTS[k]}
     return {**flat, "optim": changed} if changed else flat
+
+
+def _without_added_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` without the SFT_ADDED_FIELDS that hold their behave-as-before value."""
+    config = dict(config)
+    for (group, name), default in SFT_ADDED_FIELDS.items():
+        if isinstance(config.get(group), Mapping) and config[group].get(name, default) == default:
+            config[group] = {k: v for k, v in config[group].items() if k != name}
+    return config
 
 
 def stable_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -242,9 +242,9 @@ def test_report_writes_figures_tables_and_summary(runs_root, tmp_path):
     assert out.returncode == 0, out.stderr
     folder = tmp_path / "results" / "tiny"
     for name in FIGURES:
-        png, pdf = folder / "figures" / f"{name}.png", folder / "figures" / f"{name}.pdf"
+        png = folder / "figures" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
-        assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 5_000, name
+        assert not (folder / "figures" / f"{name}.pdf").exists(), name  # PNG only unless a PDF is asked for
     runs = pd.read_csv(folder / "tables" / "runs.csv")
     assert len(runs) == 6 + 3 + 1 and (runs["status"] == "diverged").sum() == 1
     finals = pd.read_csv(folder / "tables" / "final_scores.csv")
@@ -280,7 +280,8 @@ def test_coinciding_groups_are_named_in_the_legend(runs_root, tmp_path):
     fig = fig_comparison(data, looks_for(data))
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "grpo R3 (coincides with grpo R2)" in labels and "grpo R2" in labels
-    assert "rolling mean over 5 rollout steps per run" in fig.legends[0].get_title().get_text()
+    title = fig.legends[0].get_title().get_text()  # these runs are shorter than 15 steps: drawn raw, with bands
+    assert "rolling mean" not in title and "bands: 95% CI over seeds" in title
 
 
 def test_final_evaluation_is_the_one_after_training(sweep):

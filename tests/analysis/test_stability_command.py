@@ -1,6 +1,6 @@
 """`moe-rl stability` (tyro, like every moe-rl command) does what `python -m moe_rl.analysis.stability` did, which
-stays as its alias: the committed staleness map is remade from its two sittings' report folders byte for byte, and
-bad input is one line."""
+stays as its alias: the committed staleness map is remade from its two sittings' folded rows, and bad input is one
+line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
+from moe_rl.analysis.sittings import sitting_table
 
 from moe_rl.cli import main
 
@@ -33,13 +36,16 @@ def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch, argv, message):
 
 @pytest.mark.slow
 def test_the_committed_staleness_map_is_remade_from_its_sittings(tmp_path, capsys):
-    sittings = [str(STABILITY / "staleness_1"), str(STABILITY / "staleness_2")]
+    sittings = [f"{STABILITY}@staleness_1", f"{STABILITY}@staleness_2"]  # rows of results/stability/tables/*.parquet
     assert main(["stability", "--pool", *sittings, "--out", str(tmp_path / "map")]) == 0
     assert "moe-rl stability: 90 runs from 2 report folder(s)" in capsys.readouterr().out
-    committed = sorted((STABILITY / "staleness" / "tables").glob("*.csv"))
-    assert len(committed) == 5
-    for table in committed:
-        assert (tmp_path / "map" / "tables" / table.name).read_bytes() == table.read_bytes(), table.name
+    for table in ("stability_cells", "critical", "paired_cells"):
+        committed = sitting_table(STABILITY, table, "staleness")
+        again = pd.read_csv(tmp_path / "map" / "tables" / f"{table}.csv")
+        assert len(again) == len(committed) > 0, table
+        numbers = [c for c in committed.columns if pd.api.types.is_float_dtype(committed[c]) and c in again]
+        np.testing.assert_allclose(again[numbers].to_numpy(float), committed[numbers].to_numpy(float), rtol=1e-9,
+                                   equal_nan=True, err_msg=table)
     alias = subprocess.run([sys.executable, "-m", "moe_rl.analysis.stability", "--out", str(tmp_path / "x")],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert alias.returncode == 2 and alias.stderr.strip() == (

@@ -4,13 +4,27 @@ those runs. The analysis itself, on runs whose answers are known by construction
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
-
+from moe_rl.analysis.sittings import sitting_table
 from moe_rl.analysis.stability import critical_values, kl_matched, stability_cells
 
 FIXED = {"optim.lr": 5e-5, "minibatches": 4}
+
+STABILITY = Path(__file__).resolve().parents[2] / "results" / "stability"
+
+
+def source(sitting: str) -> str:
+    """A committed sitting of results/stability, as pooled_frame reads it (moe_rl.analysis.sittings)."""
+    return f"{STABILITY}@{sitting}"
+
+
+def committed_table(sitting: str, table: str) -> pd.DataFrame:
+    """The table a sitting's report committed (results/stability/tables/<table>.parquet, its rows)."""
+    return sitting_table(STABILITY, table, sitting)
 
 
 def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_start():
@@ -18,6 +32,7 @@ def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_st
     problems with room for the answer, a warm start on 4-7-term sums), down to the warm start's key, the name
     results/stability/deep8_* carry."""
     from moe_rl.experiments.stability import stability
+
     from moe_rl.sweep.command import plan_sweep
 
     arguments = {"axes": "lr", "n_layers": 8, "methods": "grpo"}
@@ -44,15 +59,12 @@ def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, prob
     """results/stability/deep8_cell (7-term sums, lr 4e-4) and deep8_8terms_cell (8-term sums, lr 2e-4), each pooled
     with the probe one of its runs repeats (else pooled_frame raises): every method has 3 seeds in the cell, the
     committed cells and Holm p-values follow from the per-run rows, and no pair is a rescue or "better"."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
-    frame, repeats = pooled_frame([root / cell, root / probe])
+    frame, repeats = pooled_frame([source(cell), source(probe)])
     assert repeats == 1
-    tables = root / cell / "tables"
-    committed = pd.read_csv(tables / "stability_cells.csv")
+    tables = cell
+    committed = committed_table(tables, "stability_cells")
     again = stability_cells(frame, FIXED)
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
         np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
@@ -61,12 +73,13 @@ def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, prob
     assert len(at_lr) == 6 and set(at_lr["n_seeds"]) == {3} and set(at_lr["n_declined"]) == {declined}
     paired = paired_cells(frame, FIXED)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float), equal_nan=True)
     assert not paired["rescue"].any() and set(paired["verdict"]) == {"undecided"}
 
 
 def test_the_deep_arms_arguments_name_themselves_when_out_of_range():
     from moe_rl.experiments.stability import stability
+
     from moe_rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="terms=1 must be 0"):
@@ -80,22 +93,19 @@ def test_the_deep_arms_60_step_regime_test_continues_the_30_step_runs_and_misses
     with total_steps=60): their evaluations up to step 30 are the 30-step runs' to the bit, and the committed
     difference from the best-temperature baseline follows from the per-run rows: a CI above 0 at T = 1 but a mean
     below the criterion's 0.05, so issue 26's item 1 is not met there; greedy beats its baseline."""
-    from pathlib import Path
 
     from moe_rl.analysis.baseline import against_baseline
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
-    short = pd.read_csv(root / "deep8_8terms" / "tables" / "per_run_eval.csv")
-    long = pd.read_csv(root / "deep8_8terms_60" / "tables" / "per_run_eval.csv")
+    short = committed_table("deep8_8terms", "per_run_eval")
+    long = committed_table("deep8_8terms_60", "per_run_eval")
     assert sorted(long["seed"].unique()) == [1, 2, 3, 4, 5] and long["step"].max() == 60
     columns = ["run", "seed", "step", "eval/reward", "eval/greedy"]
     head = long[long["step"] <= 30][columns].sort_values(["seed", "step"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(head, short[columns].sort_values(["seed", "step"]).reset_index(drop=True))
 
-    committed = pd.read_csv(root / "deep8_8terms_60" / "tables" / "against_baseline.csv").set_index("decoding")
+    committed = committed_table("deep8_8terms_60", "against_baseline").set_index("decoding")
     baseline = {"heldout": committed.loc["sampled", "baseline"], "heldout_se": committed.loc["sampled", "baseline_se"],
                 "greedy": committed.loc["greedy", "baseline"], "greedy_se": committed.loc["greedy", "baseline_se"]}
-    per_run = pd.read_csv(root / "deep8_8terms_60" / "tables" / "per_run_final.csv")
+    per_run = committed_table("deep8_8terms_60", "per_run_final")
     again = against_baseline(per_run, baseline).set_index("decoding")
     for column in ("final", "diff", "ci_low", "ci_high"):
         np.testing.assert_allclose(again[column], committed[column], rtol=1e-12, err_msg=column)
@@ -109,25 +119,22 @@ def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_r
     4, and lr 4e-4 for GRPO native, +R3 and GSPO): its cells, Holm p-values, critical lrs and KL-matched rows follow
     from the per-run rows; native GRPO declines at 4e-4 in 3 of 3 seeds, yet no method is a rescue there after
     Holm; and the 2e-4 cell read alone (deep8_8terms_cell5_2e-4, Holm over its own 5 pairs) has 5 seeds per method."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
     sources = ["deep8_8terms_cell", "deep8_8terms_probe", "deep8_8terms_cell_s3", "deep8_8terms_cell_s4"]
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
     pooled = {}
     for folder, extra in (("deep8_8terms_cell5", ["deep8_8terms_cell_lr4"]), ("deep8_8terms_cell5_2e-4", [])):
-        frame, repeats = pooled_frame([root / name for name in sources + extra])
+        frame, repeats = pooled_frame([source(name) for name in sources + extra])
         assert repeats == 1
-        tables = root / folder / "tables"
-        cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+        tables = folder
+        cells, committed = stability_cells(frame, fixed), committed_table(tables, "stability_cells")
         for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median"):
             np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                        equal_nan=True, err_msg=f"{folder}: {column}")
         paired = paired_cells(frame, fixed)
         np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                                   pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+                                   committed_table(tables, "paired_cells")["p_holm"].to_numpy(float), equal_nan=True)
         assert not paired["rescue"].any()
         at_2e4 = cells[np.isclose(cells["value"], 2e-4)]
         assert len(at_2e4) == 6 and set(at_2e4["n_seeds"]) == {5}
@@ -137,12 +144,12 @@ def test_the_8_term_edge_at_5_seeds_and_a_second_lr_is_recomputed_from_its_per_r
     native_at_4e4 = by_cell.loc[("grpo native", 4e-4)]
     assert native_at_4e4["n_declined"] == 3 and native_at_4e4["change_ci_high"] < 0
     matched = kl_matched(frame, fixed)
-    committed_matched = pd.read_csv(root / "deep8_8terms_cell5" / "tables" / "kl_matched.csv")
+    committed_matched = committed_table("deep8_8terms_cell5", "kl_matched")
     assert len(matched) == 9 and set(matched["method"]) == {"grpo native", "grpo R3", "gspo native"}
     np.testing.assert_allclose(matched["change"].to_numpy(float), committed_matched["change"], rtol=1e-9)
     critical = critical_values(frame, fixed).set_index("method")["critical"]
-    np.testing.assert_allclose(critical.to_numpy(float), pd.read_csv(
-        root / "deep8_8terms_cell5" / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
+    np.testing.assert_allclose(critical.to_numpy(float),
+                               committed_table("deep8_8terms_cell5", "critical")["critical"].to_numpy(float), rtol=1e-9)
     assert 2e-4 < critical["grpo native"] < 4e-4
 
 
@@ -151,15 +158,14 @@ def test_the_replication_on_another_cpu_is_recomputed_from_its_per_run_tables():
     from a warm start rebuilt on an AMD EPYC, analysed on its own (Holm over its 2 pairs per endpoint): its cells and
     Holm p-values follow from the per-run rows; native GRPO does not decline there (0 of 5, CI across 0), so no
     method can be a rescue; GSPO's paired gain at T = 1 has an unadjusted p below 0.05 but not after Holm."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
 
-    folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "deep8_8terms_lr4_zen4"
+    folder, tables = source("deep8_8terms_lr4_zen4"), "deep8_8terms_lr4_zen4"
     frame, repeats = pooled_frame([folder])
     assert repeats == 0
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    cells, committed = stability_cells(frame, fixed), pd.read_csv(folder / "tables" / "stability_cells.csv")
+    cells, committed = stability_cells(frame, fixed), committed_table(tables, "stability_cells")
     for column in ("n_seeds", "change", "change_ci_low", "change_ci_high", "n_learned", "n_declined", "kl_median",
                    "set_change"):
         np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
@@ -170,7 +176,7 @@ def test_the_replication_on_another_cpu_is_recomputed_from_its_per_run_tables():
     assert native["n_declined"] == 0 and native["change_ci_low"] < 0 < native["change_ci_high"]
     paired = paired_cells(frame, fixed)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(folder / "tables" / "paired_cells.csv")["p_holm"].to_numpy(float))
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float))
     gspo = paired[(paired["endpoint"] == "change") & (paired["method"] == "gspo native")].iloc[0]
     assert gspo["p"] < 0.05 < gspo["p_holm"] and gspo["diff"] > 0
     assert not paired["rescue"].any() and set(paired["verdict"]) == {"undecided"}
@@ -181,16 +187,14 @@ def test_the_second_lr_on_that_warm_start_is_recomputed_and_its_rescue_is_gspos_
     p-values over the axis's 4 pairs, critical lrs and KL-matched rows follow from the per-run rows. At 8e-4 native
     GRPO declines in 5 of 5 with its CI below 0; GSPO is better there (the protocol's "rescue") while R3 is
     equivalent to native GRPO within +-0.03 (TOST): no sentence that credits replay may be written."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
 
-    folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "deep8_8terms_zen4"
-    tables = folder / "tables"
+    folder, tables = source("deep8_8terms_zen4"), "deep8_8terms_zen4"
     frame, repeats = pooled_frame([folder])
     assert repeats == 0
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+    cells, committed = stability_cells(frame, fixed), committed_table(tables, "stability_cells")
     for column in ("n_seeds", "change", "change_ci_low", "change_ci_high", "n_declined", "kl_median"):
         np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                    err_msg=column)
@@ -199,16 +203,16 @@ def test_the_second_lr_on_that_warm_start_is_recomputed_and_its_rescue_is_gspos_
     assert native["n_declined"] == 5 and native["change_ci_high"] < 0
     paired = paired_cells(frame, fixed)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float))
     at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
     assert at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
     assert at_8e4.loc["grpo R3", "verdict"] == "equivalent" and not at_8e4.loc["grpo R3", "rescue"]
     critical = critical_values(frame, fixed).set_index("method")["critical"]
-    np.testing.assert_allclose(critical.to_numpy(float), pd.read_csv(tables / "critical.csv")["critical"], rtol=1e-9)
+    np.testing.assert_allclose(critical.to_numpy(float), committed_table(tables, "critical")["critical"], rtol=1e-9)
     assert 4e-4 < critical["grpo native"] < critical["gspo native"] < 8e-4
     matched = kl_matched(frame, fixed)
     np.testing.assert_allclose(matched["change"].to_numpy(float),
-                               pd.read_csv(tables / "kl_matched.csv")["change"].to_numpy(float), rtol=1e-9)
+                               committed_table(tables, "kl_matched")["change"].to_numpy(float), rtol=1e-9)
 
 
 def test_replay_of_either_kind_is_equivalent_to_native_grpo_where_it_fails():
@@ -243,22 +247,19 @@ def test_the_rollout_corrections_are_equivalent_to_native_grpo_where_it_fails():
 def _pooled_map_matches_its_tables(folders: list[str], out: str, expect_repeats: int):
     """The pooled map of results/stability/<folders> recomputed from their per-run rows; its cells and paired Holm
     p-values must equal the committed tables of results/stability/<out>. Returns (cells, paired)."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
-    frame, repeats = pooled_frame([root / folder for folder in folders])
+    frame, repeats = pooled_frame([source(folder) for folder in folders])
     assert repeats == expect_repeats
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    tables = root / out / "tables"
-    cells, committed = stability_cells(frame, fixed), pd.read_csv(tables / "stability_cells.csv")
+    tables = out
+    cells, committed = stability_cells(frame, fixed), committed_table(tables, "stability_cells")
     for column in ("n_seeds", "change", "change_ci_low", "n_declined", "kl_median"):
         np.testing.assert_allclose(cells[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                    err_msg=column)
     paired = paired_cells(frame, fixed)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float))
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float))
     return cells, paired
 
 
@@ -267,7 +268,6 @@ def test_gspo_at_twice_the_lr_declines_and_its_edge_at_matched_kl_is_undecided()
     that GSPO's KL range covers native GRPO's (PROTOCOL.md, 19:45 UTC): GSPO declines in 5 of 5 there, as far as
     native GRPO at 8e-4; at matched per-update KL its paired difference from native is nowhere significant (the
     fixed rule's "undecided"), and the 8e-4 rescue (Holm over 7) stands as a rescue at equal lr."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import kl_matched, pooled_frame
 
@@ -277,11 +277,9 @@ def test_gspo_at_twice_the_lr_declines_and_its_edge_at_matched_kl_is_undecided()
     assert gspo["n_seeds"] == 5 and gspo["n_declined"] == 5 and gspo["change_ci_high"] < 0
     at_8e4 = paired[(paired["endpoint"] == "change") & np.isclose(paired["value"], 8e-4)].set_index("method")
     assert len(at_8e4) == 5 and at_8e4.loc["gspo native", "rescue"] and at_8e4.loc["gspo native", "p_holm"] < 0.01
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
-    frame, _ = pooled_frame([root / folder for folder in folders])
+    frame, _ = pooled_frame([source(folder) for folder in folders])
     matched = kl_matched(frame, {"optim.lr": 2e-4, "minibatches": 4})
-    committed = pd.read_csv(root / "deep8_8terms_zen4_i" / "tables" / "kl_matched.csv")
+    committed = committed_table("deep8_8terms_zen4_i", "kl_matched")
     np.testing.assert_allclose(matched["change"].to_numpy(float), committed["change"].to_numpy(float), rtol=1e-9)
     gspo_rows = matched[matched["method"] == "gspo native"]
     assert len(gspo_rows) == 3 and gspo_rows["n_seeds"].min() >= 3  # every KL point inside native's range

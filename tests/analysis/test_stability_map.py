@@ -5,11 +5,12 @@ tests/analysis/test_stability_deep_arm.py."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-
+from moe_rl.analysis.sittings import sitting_table
 from moe_rl.analysis.stability import (
     critical_values,
     fig_stability_map,
@@ -21,6 +22,18 @@ from moe_rl.analysis.stability import (
     with_methods,
 )
 from moe_rl.analysis.stability_text import stability_markdown
+
+STABILITY = Path(__file__).resolve().parents[2] / "results" / "stability"
+
+
+def source(sitting: str) -> str:
+    """A committed sitting of results/stability, as pooled_frame reads it (moe_rl.analysis.sittings)."""
+    return f"{STABILITY}@{sitting}"
+
+
+def committed_table(sitting: str, table: str) -> pd.DataFrame:
+    """The table a sitting's report committed (results/stability/tables/<table>.parquet, its rows)."""
+    return sitting_table(STABILITY, table, sitting)
 
 FIXED = {"optim.lr": 5e-5, "minibatches": 4}
 
@@ -322,6 +335,7 @@ def _report_folder(root, name: str, runs: list[tuple[str, int, float]]):
 
 def test_sittings_pool_by_folder_a_repeat_counts_once_and_a_differing_one_is_refused(tmp_path):
     from moe_rl.analysis.stability import pooled_frame
+
     from moe_rl.errors import DataError
 
     first = _report_folder(tmp_path, "lr_1", [("runs/a", 0, 0.2), ("runs/b", 1, 0.3)])
@@ -345,14 +359,12 @@ def test_sittings_pool_by_folder_a_repeat_counts_once_and_a_differing_one_is_ref
 def test_the_committed_map_is_recomputed_from_its_per_run_tables():
     """results/stability/lr_1 (the first sitting's report): the cells and the paired table follow from its
     committed per-run rows alone."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
 
-    folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "lr_1"
-    tables = folder / "tables"
+    folder, tables = source("lr_1"), "lr_1"
     frame, _ = pooled_frame([folder])
-    committed = pd.read_csv(tables / "stability_cells.csv")
+    committed = committed_table(tables, "stability_cells")
     again = stability_cells(frame, FIXED)
     assert len(again) == len(committed) == 30
     for column in ("n_seeds", "change", "change_ci_low", "greedy_change", "n_declined", "kl_median", "set_change"):
@@ -360,20 +372,18 @@ def test_the_committed_map_is_recomputed_from_its_per_run_tables():
                                    equal_nan=True, err_msg=column)
     paired = paired_cells(frame, FIXED)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float), equal_nan=True)
 
 
 def test_the_staleness_map_is_recomputed_from_its_per_run_tables():
     """results/stability/staleness_1 (the third sitting, lr 2e-4): its cells, critical values and paired table
     follow from its committed per-run rows alone."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
 
-    folder = Path(__file__).resolve().parents[2] / "results" / "stability" / "staleness_1"
-    tables, fixed = folder / "tables", {"optim.lr": 2e-4, "minibatches": 4}
+    folder, tables, fixed = source("staleness_1"), "staleness_1", {"optim.lr": 2e-4, "minibatches": 4}
     frame, _ = pooled_frame([folder])
-    committed = pd.read_csv(tables / "stability_cells.csv")
+    committed = committed_table(tables, "stability_cells")
     again = stability_cells(frame, fixed)
     assert len(again) == len(committed) == 30 and set(again["axis"]) == {"minibatches"}
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
@@ -381,35 +391,32 @@ def test_the_staleness_map_is_recomputed_from_its_per_run_tables():
                                    equal_nan=True, err_msg=column)
     critical = critical_values(frame, fixed)
     np.testing.assert_array_equal(critical[["ci_low", "ci_high"]].to_numpy(float),
-                                  pd.read_csv(tables / "critical.csv")[["ci_low", "ci_high"]].to_numpy(float))
+                                  committed_table(tables, "critical")[["ci_low", "ci_high"]].to_numpy(float))
     np.testing.assert_allclose(paired_cells(frame, fixed)["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float), equal_nan=True)
 
 
 def test_the_pooled_staleness_axis_is_recomputed_from_both_sittings_tables():
     """results/stability/staleness: the staleness axis from the third and fourth sittings' per-run tables; the fourth
     re-ran one of the third's runs (the pooling check of PROTOCOL.md's fourth addendum), and they agree (else
     pooled_frame raises). Every cell has 3 seeds."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import paired_cells, pooled_frame
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
     fixed = {"optim.lr": 2e-4, "minibatches": 4}
-    frame, repeats = pooled_frame([root / "staleness_1", root / "staleness_2"])
+    frame, repeats = pooled_frame([source("staleness_1"), source("staleness_2")])
     assert repeats == 1 and len(frame) == 90
-    tables = root / "staleness" / "tables"
-    committed = pd.read_csv(tables / "stability_cells.csv")
+    tables = "staleness"
+    committed = committed_table(tables, "stability_cells")
     again = stability_cells(frame, fixed)
     assert len(again) == 30 and set(again["n_seeds"]) == {3}
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median", "set_change"):
         np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                    equal_nan=True, err_msg=column)
     np.testing.assert_array_equal(critical_values(frame, fixed)[["ci_low", "ci_high"]].to_numpy(float),
-                                  pd.read_csv(tables / "critical.csv")[["ci_low", "ci_high"]].to_numpy(float))
+                                  committed_table(tables, "critical")[["ci_low", "ci_high"]].to_numpy(float))
     paired = paired_cells(frame, fixed)
     np.testing.assert_allclose(paired["p_holm"].to_numpy(float),
-                               pd.read_csv(tables / "paired_cells.csv")["p_holm"].to_numpy(float), equal_nan=True)
+                               committed_table(tables, "paired_cells")["p_holm"].to_numpy(float), equal_nan=True)
     assert set(paired["verdict"]) == {"equivalent", "undecided"}
 
 
@@ -419,12 +426,9 @@ def test_the_pooled_map_is_recomputed_from_the_sittings_tables():
     addendum), and lr_4 is the eighth sitting's folder with the ninth's runs added, so the eighth's 13 runs come
     twice; every repeat agrees (else pooled_frame raises). The eighth sitting gave lr 5e-5 its 3 seeds, the ninth
     2.5e-5; the tenth and eleventh (lr_5) gave the frontier cells, 8e-4 and 1.6e-3, 5 seeds."""
-    from pathlib import Path
 
     from moe_rl.analysis.stability import critical_values, pooled_frame
-
-    root = Path(__file__).resolve().parents[2] / "results" / "stability"
-    frame, repeats = pooled_frame([root / f"lr_{sitting}" for sitting in (1, 2, 3, 4, 5)])
+    frame, repeats = pooled_frame([source(f"lr_{sitting}") for sitting in (1, 2, 3, 4, 5)])
     assert repeats == 18 and len(frame) == 162
     cells = stability_cells(frame, FIXED)
     at_5e5 = cells[np.isclose(cells["value"], 5e-5)]
@@ -434,14 +438,14 @@ def test_the_pooled_map_is_recomputed_from_the_sittings_tables():
     assert cells["n_seeds"].min() >= 3  # every cell of the lr axis has 3 seeds or more
     frontier = cells[np.isclose(cells["value"], 8e-4) | np.isclose(cells["value"], 1.6e-3)]
     assert len(frontier) == 12 and set(frontier["n_seeds"]) == {5}
-    committed = pd.read_csv(root / "tables" / "stability_cells.csv")
+    committed = committed_table("lr_map", "stability_cells")
     again = stability_cells(frame, FIXED)
     for column in ("n_seeds", "change", "change_ci_low", "n_learned", "n_declined", "kl_median"):
         np.testing.assert_allclose(again[column].to_numpy(float), committed[column].to_numpy(float), rtol=1e-9,
                                    equal_nan=True, err_msg=column)
     critical = critical_values(frame, FIXED)
     np.testing.assert_allclose(critical["critical"].to_numpy(float),
-                               pd.read_csv(root / "tables" / "critical.csv")["critical"].to_numpy(float), rtol=1e-9)
+                               committed_table("lr_map", "critical")["critical"].to_numpy(float), rtol=1e-9)
 
 
 def test_a_method_at_one_axis_value_takes_no_part_in_the_kl_matched_reading():

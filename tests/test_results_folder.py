@@ -1,0 +1,69 @@
+"""results/ as a short paper: the folder stays within its budget (files, bytes, formats), every study has a README,
+and the findings table's numbers that no other test recomputes are recomputed here from the committed tables."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+MAX_FILES = 300
+MAX_BYTES = 25_000_000
+ALLOWED_SUFFIXES = {".md", ".png", ".csv", ".parquet", ".json", ".jsonl", ".py", ".sh"}
+# PDFs only beside the handful of figures a paper would use; none is committed now.
+PDF_ALLOWED: set[str] = set()
+
+
+def _committed_files() -> list[Path]:
+    """results/ as git tracks it (the working tree's untracked outputs do not count), or every file when git is
+    not there (a source tarball)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "results"], cwd=ROOT, capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in RESULTS.rglob("*") if p.is_file()]
+    return [ROOT / name for name in listed.stdout.decode().split("\0") if name and (ROOT / name).is_file()]
+
+
+def test_results_is_within_its_budget_of_files_and_bytes():
+    files = _committed_files()
+    total = sum(path.stat().st_size for path in files)
+    assert len(files) < MAX_FILES, f"results/ holds {len(files)} files; the budget is < {MAX_FILES}"
+    assert total < MAX_BYTES, f"results/ holds {total / 1e6:.1f} MB; the budget is < {MAX_BYTES / 1e6:.0f} MB"
+
+
+def test_results_holds_figures_as_png_and_data_as_tables_only():
+    for path in _committed_files():
+        relative = path.relative_to(ROOT).as_posix()
+        if path.suffix == ".pdf":
+            assert relative in PDF_ALLOWED, f"{relative}: figures are PNG (a PDF only beside a paper's figure)"
+        else:
+            assert path.suffix in ALLOWED_SUFFIXES, f"{relative}: results/ holds {sorted(ALLOWED_SUFFIXES)} only"
+
+
+def test_every_study_folder_has_a_readme_and_the_top_readme_opens_with_the_findings():
+    studies = [p for p in RESULTS.iterdir() if p.is_dir()]
+    for study in studies:
+        assert (study / "README.md").is_file(), f"{study.name}/: a study folder needs a README.md"
+    top = (RESULTS / "README.md").read_text(encoding="utf-8")
+    headings = [line for line in top.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## Findings" and headings[-1] == "## How this folder is kept", headings
+
+
+def test_the_length_generalisation_finding_is_recomputed_from_its_per_run_table():
+    """Finding 2 of results/README.md: RL beats the warm start at its best temperature, +0.115 [0.103, 0.127]
+    (sampled) over 5 seeds, from the committed per-run table and the warm start's evaluation."""
+    from moe_rl.analysis.baseline import against_baseline, read_baseline
+
+    folder = RESULTS / "length_generalisation"
+    per_run = pd.read_csv(folder / "tables" / "per_run_final.csv")
+    again = against_baseline(per_run.assign(group="all runs"), read_baseline(folder / "baseline" / "evaluate.json"))
+    committed = pd.read_csv(folder / "tables" / "against_baseline.csv")
+    for column in ("final", "diff", "ci_low", "ci_high"):
+        assert again[column].to_numpy() == pytest.approx(committed[column].to_numpy(), rel=1e-9), column
+    sampled = again.set_index("decoding").loc["sampled"]
+    assert (round(sampled["diff"], 3), round(sampled["ci_low"], 3), round(sampled["ci_high"], 3)) == (
+        0.115, 0.103, 0.127)
