@@ -9,8 +9,8 @@ read three ways (docs/design.md section 5, docs/metrics.md), always side by side
 
 Per run (`run_summary`), over its optimizer steps: the mean of each reading; the median of `update/kl` (the k3
 estimator is heavy-tailed: a few outlying updates of 10-100 nats rule its mean); the held-out reward before RL
-(`eval_start`, the step-0 evaluation), after it (`eval_final`, moe_rl.analysis.aggregate.run_finals) and their difference
-(`eval_gain`); the training reward over the first and last `last_k` rollout steps and their difference.
+(`eval_start`, the step-0 evaluation), after it (`eval_final`, moe_rl.analysis.aggregate.run_finals) and their
+difference (`eval_gain`); the training reward over the first and last `last_k` rollout steps and their difference.
 Per cell (`churn_vs_lr_depth`): each of those as mean and 95% CI over the runs (Student t), and `learns`: whether the
 CI of the held-out gain lies above 0 (never with one seed: no CI).
 """

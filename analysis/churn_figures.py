@@ -23,13 +23,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
 from moe_rl.analysis.aggregate import summarize
 from moe_rl.analysis.cells import READING_LABELS, READINGS, run_summary
 from moe_rl.analysis.load import RunSet
 from moe_rl.analysis.panels import floor_zeros, log_if_wide, note, percent_axis
 from moe_rl.analysis.scaling import ARCHITECTURE, PAPER_CHURN, TARGET, bootstrap_laws, fit_power_law, split_target
 from moe_rl.analysis.style import LINESTYLES, MARKERS, OKABE_ITO, in_paper_style, new_figure
-
 from moe_rl.errors import ConfigError
 
 SCALING_KEYS = ("optim.lr", "model.n_layers", "model.n_experts", "model.top_k")

@@ -56,7 +56,8 @@ def collapses(data, metric: str = METRIC, fraction: float = FRACTION) -> pd.Data
 
 
 def count_collapses(data, metric: str = METRIC, fraction: float = FRACTION) -> pd.DataFrame:
-    """Per group: n_runs, n_collapsed, n_diverged (groups from moe_rl.analysis.aggregate.add_groups, else one per run)."""
+    """Per group: n_runs, n_collapsed, n_diverged (groups from moe_rl.analysis.aggregate.add_groups, else one per
+    run)."""
     per_run = collapses(data, metric, fraction)
     return (per_run.groupby("group", sort=False)
             .agg(n_runs=("run", "size"), n_collapsed=("collapsed", "sum"), n_diverged=("diverged", "sum"))

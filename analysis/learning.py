@@ -1,6 +1,6 @@
 """Does the policy learn? Per group: held-out reward before and after RL, the gain with its CI over seeds, and how
-many runs collapsed (moe_rl.analysis.collapse). A comparison of methods is evidence only where this table says the policy
-learns (docs/design.md section 9), so the report puts it first.
+many runs collapsed (moe_rl.analysis.collapse). A comparison of methods is evidence only where this table says the
+policy learns (docs/design.md section 9), so the report puts it first.
 
     learning_table(data, last_k=5)   # group, n_runs, start, final, gain, gain_ci_low, gain_ci_high, learns, ...
 """

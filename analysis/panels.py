@@ -19,6 +19,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
+
 from moe_rl.analysis.aggregate import layer_churn, mean_ci
 from moe_rl.analysis.load import RunSet
 from moe_rl.analysis.style import Look, NarrowLogLocator, group_looks, keyed_looks, percent_formatter

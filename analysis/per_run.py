@@ -4,7 +4,8 @@ commit (a few kB per study, where the run directories are hundreds of MB).
     per_run_final(data, metrics, last_k)   one row per run: run, group, seed, status, the group keys, the
                                            warm start (init_from's warm-start name, where the config has one), the cell
                                            quantities of moe_rl.analysis.cells.run_summary (churn, set_change, ...,
-                                           eval_gain) and each metric's final value (moe_rl.analysis.aggregate.run_finals)
+                                           eval_gain) and each metric's final value
+                                           (moe_rl.analysis.aggregate.run_finals)
     per_run_eval(data)                     one row per (run, evaluation): run, group, seed, step, eval/* metrics
 
 `tables/final_scores.csv` and `tables/churn_vs_lr_depth.csv` are these values summarised over each group's runs
@@ -47,8 +48,8 @@ def _run_fields(data: RunSet) -> pd.DataFrame:
 
 def per_run_final(data: RunSet, metrics: Sequence[str], last_k: int = 5,
                   summary: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per run (in data.runs order): RUN_FIELDS, the group keys, scaling keys and init_from, QUANTITIES (the run's
-    values behind churn_vs_lr_depth.csv), then one column per metric of `metrics` that was logged, named as in
+    """One row per run (in data.runs order): RUN_FIELDS, the group keys, scaling keys and init_from, QUANTITIES (the
+    run's values behind churn_vs_lr_depth.csv), then one column per metric of `metrics` that was logged, named as in
     final_scores.csv (`reward`, `eval/reward`, `routing/update/churn`, ...): the run's final value. `summary`:
     run_summary(data, last_k), when the caller has it already."""
     summary = run_summary(data, last_k) if summary is None else summary

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
 from moe_rl.analysis.aggregate import _label_part
 from moe_rl.analysis.churn_figures import (
     fig_churn_layer_profile,

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
 from moe_rl.analysis.churn_figures import fig_churn_scaling_of, fig_churn_vs_policy_change_of, fig_scaling_fit_of
 from moe_rl.analysis.panels import (
     LABELS,

@@ -2,8 +2,8 @@
 
 Runs are found by their config.json and manifest.json (searched recursively; SFT runs are skipped) and grouped by
 the config fields that vary across them, seeds and bookkeeping excluded, unless --group-by names the fields.
-Curves are means over a group's runs with 95% CI bands (Student t over seeds); final scores average each run's last --last-k
-rollout steps, then summarise over runs (mean, interquartile mean, CI). Running, killed and diverged runs are
+Curves are means over a group's runs with 95% CI bands (Student t over seeds); final scores average each run's last
+--last-k rollout steps, then summarise over runs (mean, interquartile mean, CI). Running, killed and diverged runs are
 included; their status is in the tables and diverged runs are marked where they stopped.
 
     <out>/README.md                        the command, the runs, final scores, the config that produced them
@@ -41,6 +41,7 @@ from typing import Annotated
 
 import pandas as pd
 import tyro
+
 from moe_rl.analysis.aggregate import add_groups, final_scores, group_keys, layer_churn, mean_ci, run_finals
 from moe_rl.analysis.baseline import against_baseline, read_baseline, with_baseline
 from moe_rl.analysis.cells import churn_vs_lr_depth, run_summary
@@ -69,7 +70,6 @@ from moe_rl.analysis.scaling import (
     warm_start_cluster,
 )
 from moe_rl.analysis.style import FORMATS, save
-
 from moe_rl.errors import ConfigError, check_positive
 from moe_rl.runs.claim import check_out_dir
 from moe_rl.runs.provenance import git_state, utc_now
@@ -122,8 +122,9 @@ class ReportConfig:
         if self.baseline is not None:
             path = Path(self.baseline)
             if not (path.is_file() or (path / "evaluate.json").is_file()):
-                raise ConfigError(f"baseline={self.baseline!r}: no evaluate.json there; give the file `moe-rl evaluate` "
-                                  "wrote, or the folder holding it (by default <warm start>/evaluate)")
+                raise ConfigError(f"baseline={self.baseline!r}: no evaluate.json there; give the file "
+                                  "`moe-rl evaluate` wrote, or the folder holding it (by default "
+                                  "<warm start>/evaluate)")
         check_positive("equivalence_margin", self.equivalence_margin)
 
 
@@ -449,5 +450,6 @@ def summary_markdown(data: RunSet, cfg: ReportConfig, finals: pd.DataFrame, figu
         "```json", json.dumps(_shared_config(data), indent=1, default=str), "```",
     ]
     if data.sweep is not None:
-        lines += ["", "sweep.json:", "", "```json", json.dumps(relative_json(data.sweep, Path(cfg.out)), indent=1, default=str), "```"]
+        sweep_json = json.dumps(relative_json(data.sweep, Path(cfg.out)), indent=1, default=str)
+        lines += ["", "sweep.json:", "", "```json", sweep_json, "```"]
     return "\n".join(lines) + "\n"

@@ -46,9 +46,9 @@ def cells_markdown(cells: pd.DataFrame) -> str:
         lines.append("| " + " | ".join(values) + " |")
     legend = "; ".join(f"{READING_LABELS[k]}: {READING_HELP[k]}" for k in READING_HELP)
     return "\n".join(["", "## Cells: churn in both readings, policy change and learning", "",
-                      f"Per cell, mean over its runs (seeds) and [95% CI, Student t over seeds]; each run's churn is its mean over "
-                      f"its updates, its KL the median over them. {legend}. `learns`: the CI of the held-out gain "
-                      "(after minus before RL) lies above 0 (never with one seed).", "", *lines, ""])
+                      "Per cell, mean over its runs (seeds) and [95% CI, Student t over seeds]; each run's churn is "
+                      f"its mean over its updates, its KL the median over them. {legend}. `learns`: the CI of the "
+                      "held-out gain (after minus before RL) lies above 0 (never with one seed).", "", *lines, ""])
 
 
 def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
@@ -62,15 +62,17 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
              + (" + f log(init layers), init layers the depth whose residual init a run took" if
                 (fit["term"] == "init_layers").any() else "") + ", "
              "least squares over runs; [95% CI] from a bootstrap over "
-             + ("warm starts within each architecture, then runs within them" if (fit.get("bootstrap", pd.Series(["runs"])) != "runs").any()
+             + ("warm starts within each architecture, then runs within them"
+                if (fit.get("bootstrap", pd.Series(["runs"])) != "runs").any()
                 else "runs (not every architecture has two or more warm starts: the intervals leave out "
-                      "warm-start variance)")
+                     "warm-start variance)")
              + " (analysis/scaling.py, docs/analysis.md). "
              "A term the runs do not vary is left out (blank).", "",
              "| reading | term | estimate [CI] | R^2 | runs |", "|---|---|---|---|---|"]
     for _, r in fit.iterrows():
-        lines.append(f"| {READING_LABELS[r['reading']]} | {r['term']} | {with_ci(r['estimate'], r['ci_low'], r['ci_high'])}"
-                     f" | {r['r2']:.3f} | {int(r['n_runs'])} |")
+        estimate = with_ci(r["estimate"], r["ci_low"], r["ci_high"])
+        reading = READING_LABELS[r["reading"]]
+        lines.append(f"| {reading} | {r['term']} | {estimate} | {r['r2']:.3f} | {int(r['n_runs'])} |")
     target = f"{TARGET['model.n_layers']} MoE layers, {TARGET['model.n_experts']} experts, top-{TARGET['model.top_k']}"
     lines += ["", f"Extrapolated to {target} (the GSPO paper's model), at the median KL per update of the runs in "
               "cells that learn (all runs if none does):", "",
@@ -90,7 +92,8 @@ def scaling_markdown(tables: dict[str, pd.DataFrame]) -> str:
                   "direct fit of set change does not know that; the row `set change from slot churn` derives it "
                   "from the slot-churn law as 1 - (1 - c)^K, which never breaks the bound. How well that form "
                   "holds on the runs (set change / slot churn, measured against the form's ratio):", "",
-                  "| top-k | runs | measured ratio [95% CI] | 1 - (1 - c)^K over c | bound K |", "|---|---|---|---|---|"]
+                  "| top-k | runs | measured ratio [95% CI] | 1 - (1 - c)^K over c | bound K |",
+                  "|---|---|---|---|---|"]
         for r in tables["scaling_set_change_check"].itertuples():
             lines.append(f"| {r.top_k} | {r.n_runs} | {with_ci(r.measured_ratio, r.ratio_ci_low, r.ratio_ci_high)} "
                          f"| {r.independent_slots_ratio:.3g} | {r.bound} |")
@@ -182,7 +185,8 @@ def learning_markdown(table: pd.DataFrame) -> str:
              "(analysis/collapse.py).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, row in table.iterrows():
-        if pd.isna(row["n_runs"]):  # the baseline row (moe_rl.analysis.baseline.with_baseline): one measurement, no runs
+        # the baseline row (moe_rl.analysis.baseline.with_baseline): one measurement, no runs
+        if pd.isna(row["n_runs"]):
             lines.append(f"| {row['group']} | | | {row['final']:.3f} +- {row['baseline_se']:.3f} (baseline) | | | | |")
             continue
         lines.append(f"| {row['group']} | {int(row['n_runs'])} | {row['start']:.3f} | {row['final']:.3f} | "
@@ -234,7 +238,8 @@ def baseline_section(baseline: dict | None, against: pd.DataFrame | None) -> str
              "against the baseline at its best; greedy against greedy), mean over runs with a 95% CI that adds the "
              "seeds' spread and the baseline's SE in quadrature (analysis/baseline.py). `beats` means the CI lies "
              "above 0.", "",
-             "| group | decoding | runs | after RL | baseline | difference [95% CI] | beats |", "|---|---|---|---|---|---|---|"]
+             "| group | decoding | runs | after RL | baseline | difference [95% CI] | beats |",
+             "|---|---|---|---|---|---|---|"]
     for r in (against if against is not None else pd.DataFrame()).itertuples():
         lines.append(f"| {r.group} | {r.decoding} | {r.n_runs} | {r.final:.3f} | {r.baseline:.3f} | "
                      f"{with_ci(r.diff, r.ci_low, r.ci_high)} | {'yes' if r.beats_baseline else 'no'} |")

@@ -16,8 +16,8 @@ about it and an extrapolation along it rests on the others alone (`dropped` says
 Uncertainty: a bootstrap (the law refit N_BOOT times, a fixed generator), percentile 95% intervals for every
 coefficient and every prediction. Over runs (resampled with replacement), or, where every architecture has two or
 more warm starts (`warm_start_cluster`), in two stages: the warm starts of each architecture, then the runs of each
-drawn warm start, so that runs sharing a warm start do not count as independent evidence. Runs whose reading or driver is
-0 or missing cannot enter a log-log fit; `n_excluded` counts them.
+drawn warm start, so that runs sharing a warm start do not count as independent evidence. Runs whose reading or driver
+is 0 or missing cannot enter a log-log fit; `n_excluded` counts them.
 
     per_run = run_summary(data)                 # moe_rl.analysis.cells
     fit_runs, paper_runs = split_target(per_run)   # runs of the 48 / 128 / top-8 arm are held out of the fit
@@ -79,7 +79,8 @@ class PowerLaw:
 
     def predict(self, settings: dict[str, float]) -> float:
         """The reading at `settings` (one value per predictor; init_layers defaults to the depth), capped at 1."""
-        log_value = self.intercept + sum(c * math.log(_setting(settings, p)) for p, c in zip(self.predictors, self.coef))
+        terms = (c * math.log(_setting(settings, p)) for p, c in zip(self.predictors, self.coef))
+        log_value = self.intercept + sum(terms)
         return min(1.0, math.exp(log_value))
 
     def driver_for(self, level: float, settings: dict[str, float]) -> float:
@@ -214,7 +215,8 @@ def reference_driver(per_run: pd.DataFrame, driver: str = "kl") -> float:
 
 
 def extrapolation_table(per_run: pd.DataFrame, driver: str = "kl", target: dict | None = None,
-                        readings=FITTED_READINGS, level: float = PAPER_CHURN, cluster: str | None = None) -> pd.DataFrame:
+                        readings=FITTED_READINGS, level: float = PAPER_CHURN,
+                        cluster: str | None = None) -> pd.DataFrame:
     """Per reading: the reading predicted at `target` (default TARGET: 48 layers, 128 experts, top-8) at the
     reference driver value (`reference_driver`), and the driver value at which it reaches `level` (10%), each
     with a bootstrap 95% CI (`cluster` as in bootstrap_laws)."""

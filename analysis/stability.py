@@ -60,12 +60,12 @@ import numpy as np
 import pandas as pd
 import tyro
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
 from moe_rl.analysis.aggregate import summarize
 from moe_rl.analysis.sittings import source_name, source_table
 from moe_rl.analysis.stability_terms import AXES, MARGIN, REFERENCE
 from moe_rl.analysis.stats import ALPHA, critical_point, holm, mdd_paired, paired_t, tost_p
 from moe_rl.analysis.style import group_looks, in_paper_style, new_figure, save
-
 from moe_rl.errors import ConfigError, DataError
 
 METHOD_COLUMNS = ("objective.name", "routing_mode", "correction.is_level", "correction.is_cap", "correction.is_band")
@@ -162,8 +162,8 @@ def with_configs(per_run: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_methods(per_run: pd.DataFrame, per_eval: pd.DataFrame) -> pd.DataFrame:
-    """per_run (moe_rl.analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results only:
-    a run still running, failed or interrupted (`status`, where the table has it) is left out. A diverged run is a
+    """per_run (moe_rl.analysis.per_run.per_run_final) with `method` and run_changes' columns joined on `run`, results
+    only: a run still running, failed or interrupted (`status`, where the table has it) is left out. A diverged run is a
     result: it declined (and did not learn), and its changes are 0 minus its start (a policy with non-finite weights
     solves nothing), so that an lr which blows a run up counts against the method instead of leaving the cell."""
     frame = per_run.copy()
@@ -415,7 +415,8 @@ def kl_matched(frame: pd.DataFrame, fixed: dict, axis: str = "optim.lr", n_point
 
 def kl_matched_axes(frame: pd.DataFrame, fixed: dict, n_points: int = 3, reference: str = REFERENCE) -> pd.DataFrame:
     """kl_matched along each swept axis, one table with the axis as its first column (Holm within each axis)."""
-    tables = [kl_matched(frame, fixed, axis, n_points, reference).assign(axis=axis) for axis in swept_axes(frame, fixed)]
+    tables = [kl_matched(frame, fixed, axis, n_points, reference).assign(axis=axis)
+              for axis in swept_axes(frame, fixed)]
     tables = [table for table in tables if len(table)]
     if not tables:
         return pd.DataFrame(columns=["axis", *kl_matched(frame, {}, "optim.lr").columns])

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pandas as pd
+
 from moe_rl.analysis.sittings import is_sitting_source, source_name
 from moe_rl.analysis.stability_terms import AXES, ENDPOINT_LABELS, MARGIN, REFERENCE
 
@@ -45,10 +46,11 @@ def stability_markdown(cells: pd.DataFrame, critical: pd.DataFrame, matched: pd.
               "", "| axis | KL per update | method | seeds | change [95% CI] | minus reference [95% CI] | p (Holm) |",
               "|---|---|---|---|---|---|---|"]
     for r in matched.itertuples():
-        diff = _with_ci(r.diff_vs_reference, r.diff_ci_low, r.diff_ci_high) if math.isfinite(r.diff_vs_reference) else ""
+        finite = math.isfinite(r.diff_vs_reference)
+        diff = _with_ci(r.diff_vs_reference, r.diff_ci_low, r.diff_ci_high) if finite else ""
         p = f"{r.p_holm:.3f}" if math.isfinite(r.p_holm) else ""
-        lines.append(f"| {AXES.get(r.axis, r.axis)} | {r.kl:.3g} | {r.method} | {r.n_seeds} | {r.change:+.3f} | {diff} | "
-                     f"{p} |")
+        axis = AXES.get(r.axis, r.axis)
+        lines.append(f"| {axis} | {r.kl:.3g} | {r.method} | {r.n_seeds} | {r.change:+.3f} | {diff} | {p} |")
     return "\n".join(lines) + "\n"
 
 

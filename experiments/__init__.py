@@ -1,5 +1,5 @@
-"""Named experiments: Python functions that return an `Experiment` (moe_rl.sweep.grid): the config every run starts from,
-the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name=value` passes its arguments.
+"""Named experiments: Python functions that return an `Experiment` (moe_rl.sweep.grid): the config every run starts
+from, the grid of runs and the warm start. `moe-rl sweep <name>` runs one; `--arg name=value` passes its arguments.
 
 | name                   | the question it answers                                                 | CPU default      |
 |------------------------|-------------------------------------------------------------------------|------------------|
@@ -21,6 +21,7 @@ docstring with its question and expected time, and list it in EXPERIMENTS.
 
 from collections.abc import Callable
 
+from moe_rl.errors import ConfigError
 from moe_rl.experiments.ablations import ablations
 from moe_rl.experiments.churn_repro import churn_repro
 from moe_rl.experiments.correction import correction
@@ -30,7 +31,6 @@ from moe_rl.experiments.objective_comparison import objective_comparison
 from moe_rl.experiments.smoke import smoke
 from moe_rl.experiments.stability import stability
 from moe_rl.experiments.stress import stress
-from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment
 
 EXPERIMENTS = {fn.__name__: fn for fn in (smoke, churn_repro, objective_comparison, ablations, stress, correction,

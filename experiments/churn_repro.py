@@ -43,15 +43,15 @@ took 255-543 s there (8-block runs the longest). `k_cells=true warm_starts=2 see
 the first warm start of each old architecture and 10 of its runs are the default grid's (same keys; re-runs were
 bit-identical). On the same machine (2026-12-01, commit 3998aea, two to four processes sharing the 2 cores): 4-block
 warm starts 250-320 s, the 8-block one 534 s; runs 123-321 s. `fixed_init=true --only model.n_layers=8`: its
-8-block warm start and 6 runs of 416-446 s (one 2,290 s, while the K-cells sweep held both cores). GPU (`scale="gpu"`): 64 experts top-8 | 128 experts
-top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs: results/churn_repro/README.md, made
-by `make reproduce`.
+8-block warm start and 6 runs of 416-446 s (one 2,290 s, while the K-cells sweep held both cores). GPU (`scale="gpu"`):
+64 experts top-8 | 128 experts top-8, depths 12 | 24 | 48, lr 1e-6..1e-4; not yet run. Numbers and their CIs:
+results/churn_repro/README.md, made by `make reproduce`.
 """
 
 from __future__ import annotations
 
-from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.errors import ConfigError
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, Point, axis, product, union
 

@@ -20,9 +20,9 @@ noise of the comparison. Each run logs held-out reward, the mismatch metrics (`r
 CPU, timed (2026-12-01, a 2-core AVX2 machine, --workers 2): the committed study is `--arg steps=10` (40 updates;
 the regime's held-out gain comes mostly in its first 10 rollout steps). Its 45 runs took 59 minutes: bf16 and fp8
 runs 152-253 s each, exact runs 61-104 s (`exact` samples in fp32, without the bf16 or fp8 emulation, then takes
-the old pass's log-probs and routing), after a 230 s warm start (800 SFT steps). The default 30 steps take about three times as long.
-results/correction/ holds the report, with per-run tables and the warm start's baseline (results/README.md says
-what it shows).
+the old pass's log-probs and routing), after a 230 s warm start (800 SFT steps). The default 30 steps take about three
+times as long. results/correction/ holds the report, with per-run tables and the warm start's baseline
+(results/README.md says what it shows).
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_rl.errors import check_choice
 from moe_rl.experiments.common import SCALES
 from moe_rl.experiments.common import model as common_model
 from moe_rl.experiments.long_regime import CPU_MODEL as REGIME_MODEL
 from moe_rl.experiments.long_regime import regime_base, regime_warm_start
-from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.rl.run_config import LogConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, axis, product

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.errors import check_choice
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.rl.run_config import LogConfig
 from moe_rl.sweep.grid import Experiment, axis, product
 

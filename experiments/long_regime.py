@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_rl.errors import check_choice
 from moe_rl.experiments.common import SCALES, rl_base
 from moe_rl.experiments.common import model as common_model
 from moe_rl.experiments.common import warm_start as common_warm_start
-from moe_rl.errors import check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.rl.run_config import LogConfig, SFTConfig, TrainConfig
 from moe_rl.tasks import TaskConfig

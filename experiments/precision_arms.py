@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.commands.sft import sft
+from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.model.precision import SAMPLER_PRECISIONS
 from moe_rl.rl.correction import mismatch_metrics
 from moe_rl.rl.trainer import Trainer

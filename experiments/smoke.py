@@ -9,8 +9,8 @@ start of five Python processes (one warm start, four runs; the training itself t
 
 from __future__ import annotations
 
-from moe_rl.experiments.common import SCALES
 from moe_rl.errors import check_choice
+from moe_rl.experiments.common import SCALES
 from moe_rl.model import ModelConfig
 from moe_rl.rl.rollout import SamplingConfig
 from moe_rl.rl.run_config import LogConfig, OptimConfig, RolloutConfig, SFTConfig, SFTLogConfig, TrainConfig

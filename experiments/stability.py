@@ -57,10 +57,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from moe_rl.errors import ConfigError
 from moe_rl.experiments.correction import ICEPOP, TIS
 from moe_rl.experiments.correction import LABELS as CORRECTION_LABELS
 from moe_rl.experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
-from moe_rl.errors import ConfigError
 from moe_rl.sweep.grid import Experiment, product, union
 
 METHODS = {
@@ -75,7 +75,8 @@ LRS = (2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3)
 MINIBATCHES = (1, 2, 4, 8, 16)
 # Each axis holds the other at these. The staleness axis's lr was 5e-5 until the lr axis had been run: every method
 # learns there at 4 minibatches and its frontier lies near 8e-4, so 16 minibatches at 5e-5 (4x the updates per batch)
-# could not reach it; at 2e-4, where every method still learns, they can (results/stability/PROTOCOL.md, third addendum).
+# could not reach it; at 2e-4, where every method still learns, they can (results/stability/PROTOCOL.md, third
+# addendum).
 FIXED_LR, FIXED_MINIBATCHES = 2e-4, 4
 AXES = ("both", "lr", "staleness")
 

@@ -294,11 +294,10 @@ def _never_fail_to_print() -> None:
 def _config_file(config_class, args: list[str]):
     """`--config-file PATH` or `--config-file=PATH` (train and sft): start from a config saved as JSON or YAML, e.g.
     a run's config.json; the other flags override its fields. Returns (the other args, the defaults)."""
-    for at, arg in enumerate(args):
-        if arg == "--config-file" or arg.startswith("--config-file="):
-            break
-    else:
+    at = next((i for i, arg in enumerate(args) if arg == "--config-file" or arg.startswith("--config-file=")), None)
+    if at is None:
         return args, None
+    arg = args[at]
     path = arg.partition("=")[2] if "=" in arg else (args[at + 1] if at + 1 < len(args) else "")
     rest = args[:at] + args[at + (1 if "=" in arg else 2) :]
     again = [a for a in rest if a == "--config-file" or a.startswith("--config-file=")]

@@ -12,8 +12,8 @@ Update mode (default). From a checkpoint (or a random init), sample one rollout 
                                      group): that churn is the load-balancing loss's, not RL's (a line says so)
 
 Trace mode (`--trace FILE`). Read an inference engine's routed experts (vLLM `routed_experts`, SGLang's equivalent;
-layouts in moe_rl/routing/engine_traces.py), run the model natively over the same tokens and report engine vs trainer routing per
-layer: the R3 paper's set_change and token_any, and slot churn.
+layouts in moe_rl/routing/engine_traces.py), run the model natively over the same tokens and report engine vs trainer
+routing per layer: the R3 paper's set_change and token_any, and slot churn.
 
 Both print a table and write probe.csv and probe.json to --out (update mode also writes the per-layer routing table
 under routing/, as a training run does). It simplifies on purpose: one rollout batch, no evaluation, no checkpoint.

@@ -173,7 +173,7 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
         while trainer.step < cfg.total_steps:
             lines: list[dict] = []
             try:
-                trainer.rl_step(lambda line: (lines.append(line), write(line)))
+                trainer.rl_step(lambda line, lines=lines: (lines.append(line), write(line)))
             except Diverged as err:  # raised on every rank together
                 if run is not None:
                     run.mark_diverged(str(err))

@@ -83,8 +83,8 @@ def default_sweep_dir(experiment: str, arguments: Mapping[str, Any]) -> Path:
 
 def plan_sweep(experiment: Callable[..., Experiment], sweep_dir: str | os.PathLike | None = None,
                arguments: Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None) -> SweepPlan:
-    """Expand an experiment (a function returning an Experiment, e.g. moe_rl.experiments.get_experiment(name)) into named
-    runs; runs nothing.
+    """Expand an experiment (a function returning an Experiment, e.g. moe_rl.experiments.get_experiment(name)) into
+    named runs; runs nothing.
 
     `arguments` go to the experiment function; `overrides` (dotted, as `--set`) change every run, and `sft.<field>`
     changes the warm start. Strings are parsed by the field's type."""

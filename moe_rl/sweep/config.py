@@ -38,7 +38,8 @@ class SweepConfig:
     """local: runs at a time, each in its own process."""
     threads: int = 1
     """local: torch threads per run. 1 is fastest at CPU model sizes, and the CPU kernels (MKL batch calls, the C
-    product loop) serve only one thread: with more, those runs take torch's own kernels (docs/performance.md, "Threads")."""
+    product loop) serve only one thread: with more, those runs take torch's own kernels (docs/performance.md,
+    "Threads")."""
     retry_diverged: bool = False
     """Start diverged runs over (by default a diverged run is a result and is skipped)."""
     executor: Literal["local", "slurm", "submitit-local"] = "local"

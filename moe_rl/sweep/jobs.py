@@ -147,8 +147,8 @@ def run_local(plan: SweepPlan, workers: int = 1, retry_diverged: bool = False,
               echo: Callable[[str], None] = print, threads: int = 1,
               selected: set[str] | None = None) -> pd.DataFrame:
     """Run the sweep here, `workers` jobs at a time, each in its own subprocess with `threads` torch threads (1 by
-    default: the CPU kernels serve one thread, and one is fastest at these model sizes; docs/performance.md, "Threads"). Returns
-    the index. `selected` (SweepPlan.selected): run only these of the runs to do; the others stay as they are.
+    default: the CPU kernels serve one thread, and one is fastest at these model sizes; docs/performance.md, "Threads").
+    Returns the index. `selected` (SweepPlan.selected): run only these of the runs to do; the others stay as they are.
 
     Order: a free worker takes a waiting warm start if there is one, else a run whose warm start has ended, so runs
     of a finished architecture start while other warm starts still train; among those it takes the costliest first

@@ -328,7 +328,8 @@ def test_report_with_a_baseline_puts_it_first_and_compares_each_group_with_it(ru
     import moe_rl.analysis.report
     from moe_rl.analysis.report import report
 
-    monkeypatch.setattr(moe_rl.analysis.report, "write_figures", lambda data, folder: ([], []))  # tested above; 20 s here
+    # figures are tested above; they take 20 s here
+    monkeypatch.setattr(moe_rl.analysis.report, "write_figures", lambda data, folder: ([], []))
 
     result = {"checkpoint": "c.pt", "step": 300, "best_temperature": 0.5,
               "heldout": {"sampled": {"temperature": 0.5, "mean": 0.25, "se": 0.02, "prompts": 1024, "samples": 1},

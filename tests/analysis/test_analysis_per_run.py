@@ -100,7 +100,8 @@ def test_per_run_files_recompute_the_committed_cis(reported):
     assert grpo["eval_gain"].to_numpy() == pytest.approx(np.array(FINAL["grpo native"]) - [START[s] for s in SEEDS])
     evals = pd.read_csv(tables / "per_run_eval.csv")
     assert len(evals) == 12 * 2 and sorted(set(evals["step"])) == [0, STEPS]
-    assert evals.loc[evals["step"] == 0, "eval/reward"].tolist() == [START[s] for s in evals.loc[evals["step"] == 0, "seed"]]
+    start = evals[evals["step"] == 0]
+    assert start["eval/reward"].tolist() == [START[s] for s in start["seed"]]
 
 
 def test_paired_table_against_scipy_holm_and_tost(reported):

@@ -56,9 +56,9 @@ def _parse(label: str) -> float:
     return float(label.rstrip("%")) / 100
 
 
-@pytest.mark.parametrize("low, high, scale", [(0.01, 0.026, "linear"), (0.0, 0.5, "linear"), (0.0001, 0.00035, "linear"),
-                                              (0.0149, 0.0151, "linear"), (1e-4, 0.3, "log"), (0.02, 0.9, "log"),
-                                              (0.9, 1.0, "linear")])
+@pytest.mark.parametrize("low, high, scale", [(0.01, 0.026, "linear"), (0.0, 0.5, "linear"),
+                                              (0.0001, 0.00035, "linear"), (0.0149, 0.0151, "linear"),
+                                              (1e-4, 0.3, "log"), (0.02, 0.9, "log"), (0.9, 1.0, "linear")])
 def test_percent_tick_labels_are_distinct_and_true(low, high, scale):
     with paper():
         fig, axes = new_figure(1, 1)

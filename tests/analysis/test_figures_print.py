@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+
 from moe_rl.analysis.aggregate import mean_ci
 from moe_rl.analysis.panels import SMOOTH, SMOOTH_MIN_WINDOWS, label_axes, smooth
 from moe_rl.analysis.style import FORMATS, new_figure, paper

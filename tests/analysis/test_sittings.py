@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from moe_rl.analysis.sittings import fold_sittings, sitting_table, sittings, source_name
 
+from moe_rl.analysis.sittings import fold_sittings, sitting_table, sittings, source_name
 from moe_rl.errors import DataError
 
 

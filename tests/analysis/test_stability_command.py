@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from moe_rl.analysis.sittings import sitting_table
 
+from moe_rl.analysis.sittings import sitting_table
 from moe_rl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

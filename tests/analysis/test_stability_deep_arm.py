@@ -1,6 +1,7 @@
 """The deep arm's committed studies (results/stability/deep8_*): each table recomputed from the per-run rows its
 folder commits, the verdicts its protocol fixed before the runs asserted, and the experiment arguments that plan
-those runs. The analysis itself, on runs whose answers are known by construction, is tests/analysis/test_stability_map.py."""
+those runs. The analysis itself, on runs whose answers are known by construction, is
+tests/analysis/test_stability_map.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
 from moe_rl.analysis.sittings import sitting_table
 from moe_rl.analysis.stability import critical_values, kl_matched, stability_cells
 
@@ -32,7 +34,6 @@ def test_the_deep_arm_is_an_experiment_argument_and_builds_the_committed_warm_st
     problems with room for the answer, a warm start on 4-7-term sums), down to the warm start's key, the name
     results/stability/deep8_* carry."""
     from moe_rl.experiments.stability import stability
-
     from moe_rl.sweep.command import plan_sweep
 
     arguments = {"axes": "lr", "n_layers": 8, "methods": "grpo"}
@@ -78,9 +79,8 @@ def test_the_deep_arms_cells_are_recomputed_from_their_per_run_tables(cell, prob
 
 
 def test_the_deep_arms_arguments_name_themselves_when_out_of_range():
-    from moe_rl.experiments.stability import stability
-
     from moe_rl.errors import ConfigError
+    from moe_rl.experiments.stability import stability
 
     with pytest.raises(ConfigError, match="terms=1 must be 0"):
         stability(terms=1)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
 from moe_rl.analysis.sittings import sitting_table
 from moe_rl.analysis.stability import (
     critical_values,
@@ -114,7 +115,7 @@ def test_cells_critical_values_and_the_kl_matched_reading():
         pd.testing.assert_frame_equal(own, kl_matched(frame, FIXED, axis), check_dtype=False)
     text = stability_markdown(cells, critical.reset_index(), both, FIXED)
     assert "## At matched per-update KL" in text and "| learning rate | grpo R2 | 0.0004 | 4 |" in text
-    assert "| learning rate | %.3g | grpo R2 |" % both["kl"].iloc[0] in text
+    assert f"| learning rate | {both['kl'].iloc[0]:.3g} | grpo R2 |" in text
 
 
 def test_a_crossing_inside_the_grid_gets_a_finite_critical_value():
@@ -254,7 +255,8 @@ def test_only_results_count_and_a_diverged_run_declines_to_zero():
     rows += [("blown", 0, 0.10), ("blown", 5, 0.11)]  # diverged after its first evaluation
     rows += [("live", s, v) for s, v in zip((0, 5, 10, 15), (0.10, 0.20, 0.20, 0.20))]
     per_eval = pd.DataFrame(rows, columns=["run", "step", "eval/reward"])
-    per_eval["eval/greedy"], per_eval["eval/reward_se"], per_eval["eval/greedy_se"] = per_eval["eval/reward"], 0.01, 0.01
+    per_eval["eval/greedy"] = per_eval["eval/reward"]
+    per_eval["eval/reward_se"] = per_eval["eval/greedy_se"] = 0.01
     frame = with_methods(per_run, per_eval).set_index("run")
     assert list(frame.index) == ["done", "blown"]  # the running one is not a result yet
     assert frame.loc["blown", "change"] == pytest.approx(-0.10) and frame.loc["blown", "declined"] == 1.0
@@ -335,7 +337,6 @@ def _report_folder(root, name: str, runs: list[tuple[str, int, float]]):
 
 def test_sittings_pool_by_folder_a_repeat_counts_once_and_a_differing_one_is_refused(tmp_path):
     from moe_rl.analysis.stability import pooled_frame
-
     from moe_rl.errors import DataError
 
     first = _report_folder(tmp_path, "lr_1", [("runs/a", 0, 0.2), ("runs/b", 1, 0.3)])

@@ -205,7 +205,7 @@ def test_bad_inputs_are_one_named_line_and_lose_nothing(work, warm, finished):
     before = {name: snapshot(run) for name, run in runs.items()} | {"sft": snapshot(warm)}
     results = run_batch([argv for argv, _ in cases.values()], cwd=work)
     failures = []
-    for (case, (argv, culprit)), result in zip(cases.items(), results):
+    for (case, (_, culprit)), result in zip(cases.items(), results):
         printed = result["out"] + result["err"]
         lines = [line for line in result["err"].splitlines() if line.strip()]
         ok = (result["code"] == 2 and culprit in printed and "Traceback" not in printed and len(lines) == 1

@@ -112,7 +112,6 @@ def without_config_file(args: list[str]) -> list[str]:
 def check_sweep(cfg) -> None:
     """What tyro cannot see: the experiment, its arguments, and every --set / --grid key."""
     from moe_rl.experiments import EXPERIMENTS
-
     from moe_rl.sweep.adhoc import grid_axes
     from moe_rl.sweep.command import experiment_arguments
 
@@ -144,7 +143,6 @@ def table_rows(text: str) -> dict[str, str]:
 def registry_defaults() -> dict[str, tuple[int, set[int]]]:
     """{name: (runs, total_steps of the runs)} of every registered experiment at its default arguments."""
     from moe_rl.experiments import EXPERIMENTS
-
     from moe_rl.sweep.command import plan_sweep
 
     defaults = {}

@@ -20,10 +20,10 @@ import pandas as pd
 import pytest
 import torch
 from conftest import metric_lines, tiny_config, tiny_train_config
-from moe_rl.analysis.baseline import against_baseline, baseline_markdown, read_baseline, with_baseline
 
 import moe_rl.commands.evaluate as evaluate_module
 import moe_rl.rl.heldout as evaluation
+from moe_rl.analysis.baseline import against_baseline, baseline_markdown, read_baseline, with_baseline
 from moe_rl.cli import main
 from moe_rl.commands.evaluate import EvaluateConfig, evaluate, pick_temperature, read_checkpoint
 from moe_rl.commands.train import train

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.experiments import EXPERIMENTS, get_experiment
 from moe_rl.errors import ConfigError
+from moe_rl.experiments import EXPERIMENTS, get_experiment
 from moe_rl.rl.engines import vllm_installed
 from moe_rl.rl.overrides import from_dict
 from moe_rl.rl.run_config import SFTConfig, TrainConfig

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import metric_lines, tiny_train_config
 
-from moe_rl.experiments import get_experiment
 from moe_rl.errors import ConfigError
+from moe_rl.experiments import get_experiment
 from moe_rl.model import ModelConfig
 from moe_rl.rl.overrides import coerce, from_dict, with_overrides
 from moe_rl.rl.run_config import OptimConfig, SFTConfig, SFTLogConfig
