@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_rl.errors import USER_ERRORS, ConfigError, DiskFullError
+from moe_rl.errors import USER_ERRORS, ConfigError, DiskFullError, EngineFailed
 
 # Exit statuses: 0 done, 1 a failed run (or a sweep with one), 2 a user error (one line on stderr), 3 the run diverged,
 # 130 / 143 stopped by SIGINT / SIGTERM (status interrupted; the last line says how to resume).
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
               "free space, then run the same command again; train continues from its checkpoint with --resume)",
               file=sys.stderr)
         return EXIT_USER_ERROR
+    except EngineFailed as err:  # the run is marked failed; the message ends with the command that resumes it
+        print(f"moe-rl {name}: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
             raise
@@ -253,7 +256,7 @@ def _never_fail_to_print() -> None:
 def _config_file(config_class, args: list[str]):
     """`--config-file PATH` or `--config-file=PATH` (train and sft): start from a config saved as JSON or YAML, e.g.
     a run's config.json; the other flags override its fields. Returns (the other args, the defaults)."""
-    for at, arg in enumerate(args):
+    for at, arg in enumerate(args):  # noqa: B007 (`at` is read after the loop)
         if arg == "--config-file" or arg.startswith("--config-file="):
             break
     else:

@@ -24,7 +24,6 @@ any rank stops every rank, and `--resume` needs the same number of ranks.
 from __future__ import annotations
 
 import gc
-import shlex
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from moe_rl.routing.mode import RoutingMode
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
 from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress, rl_step_fields, say
-from moe_rl.runs.runlog import RunDir
+from moe_rl.runs.runlog import RunDir, resume_command
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
 from moe_rl.tasks.digest import task_digest
@@ -160,7 +159,7 @@ def _ending(run: RunDir) -> str | None:
         return run.manifest.get("reason")
     if (run.manifest.get("interrupted") or {}).get("resumes_from_step") is None:
         return f"no checkpoint yet: the same command starts it over ({run.path})"
-    return f"resume with: moe-rl train --config-file {shlex.quote(str(run.path.absolute() / 'config.json'))} --resume"
+    return f"resume with: {resume_command(run.path, run.manifest.get('world_size', 1))}"
 
 
 def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop: StopOnSignal) -> None:
@@ -173,7 +172,7 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
         while trainer.step < cfg.total_steps:
             lines: list[dict] = []
             try:
-                trainer.rl_step(lambda line: (lines.append(line), write(line)))
+                trainer.rl_step(lambda line: (lines.append(line), write(line)))  # noqa: B023 (called in this step)
             except Diverged as err:  # raised on every rank together
                 if run is not None:
                     run.mark_diverged(str(err))
