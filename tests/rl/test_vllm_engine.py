@@ -227,3 +227,39 @@ def test_cli_resume_starts_the_engine_from_the_checkpoint(tmp_path):
     lines = _train(tmp_path, "trainer", "--checkpoint-every", "1", "--total-steps", "3", "--resume")
     last = [m for m in lines if m["step"] == 2 and "routing/rollout/set_change" in m]
     assert last and last[0]["routing/rollout/set_change"] == 0.0 and last[0]["rollout/kl"] < 1e-10
+
+
+@pytest.mark.slow
+def test_cli_a_worker_that_dies_mid_run_fails_by_name_and_the_printed_command_resumes(tmp_path, monkeypatch, capsys):
+    """The vLLM worker raises in the weight sync after step 0 (as a worker that lost its process does): `moe-rl
+    train` ends with one line naming the engine, the step and the resume command (status 1, run failed); that
+    command, with a healthy worker, continues from step 1's checkpoint and its rollouts match the trainer exactly."""
+    import json
+    import shlex
+
+    from moe_rl.cli import main
+    from moe_rl.rl.vllm_worker import MoERLWorkerExtension
+
+    def dies(self, state):
+        raise RuntimeError("worker process lost (test)")
+
+    run = tmp_path / "run"
+    argv = ["train", *QWEN3_MOE, "--rollout.engine", "vllm", "--routing-mode", "R3", "--total-steps", "3",
+            "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--probes.enabled", "rollout",
+            "--checkpoint-every", "1", "--out-dir", str(run), "--quiet"]
+    with monkeypatch.context() as patch:
+        patch.setattr(MoERLWorkerExtension, "moe_rl_load", dies)
+        assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("moe-rl train: error: rollout engine vllm failed at rollout step 1 on rank 0 (RuntimeError: "
+                          "worker process lost (test)); the run continues from its last checkpoint with: moe-rl train")
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+
+    resume = shlex.split(err.split("checkpoint with: ", 1)[1])
+    assert main([*resume[1:], "--quiet"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({m["step"] for m in lines}) == [0, 1, 2]
+    resumed = [m for m in lines if m["step"] >= 1 and "rollout/kl" in m]
+    assert {m["step"] for m in resumed} == {1, 2} and all(m["rollout/kl"] < 1e-10 for m in resumed)
+    assert all(m["time/sync"] > 0 for m in resumed if m["step"] == 2)  # step 2's engine loaded step 1's updates
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
