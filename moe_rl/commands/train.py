@@ -77,6 +77,7 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
     claim = on_main(lambda: claim_run_dir(cfg.out_dir, resume=cfg.resume, total_steps=cfg.total_steps,
                                           resume_from=cfg.resume_from))
     action, checkpoint = distributed.broadcast_object((claim.action, claim.checkpoint) if claim else None)
+    trainer = None
     try:
         if action == "done":
             say(f"nothing to do: {cfg.out_dir} already finished at step {cfg.total_steps}")
@@ -94,6 +95,8 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
         if run is not None:
             progress.end(run.status, str(run.path), trainer.step, _ending(run))
     finally:
+        if trainer is not None:
+            trainer.close()  # the rollout engine, before the process group it may share is torn down
         if claim is not None:
             claim.release()
 

@@ -217,14 +217,19 @@ class Trainer:
         return batch, metrics
 
     def rollout_engine(self):
-        """The engine that samples rollouts (`--rollout.engine`), built once from the current model."""
+        """The engine that samples rollouts (`--rollout.engine`), built once from the current model; under torchrun
+        every rank builds its own, for its own prompts (moe_rl.rl.vllm_engine, "Under torchrun")."""
         if self.engine is None:
-            if self.cfg.rollout.engine != "native" and distributed.world_size() > 1:
-                raise ConfigError(f"--rollout.engine {self.cfg.rollout.engine} runs in a single process for now; "
-                                  "under torchrun use the native engine")
             self.engine = build_engine(self.cfg.rollout.engine, self.model, self.cfg.rollout.sampling,
                                        seed=self.cfg.seed, version=self.updates)
         return self.engine
+
+    def close(self) -> None:
+        """Shut the rollout engine down (a vLLM engine holds memory and, under torchrun, groups of the ranks' process
+        group)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def rollout_on_all_ranks(self) -> tuple[RolloutBatch, dict, int]:
         """This rank's rollout, and the number of optimizer steps of this rollout step, the same on every rank:

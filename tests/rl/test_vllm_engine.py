@@ -263,3 +263,75 @@ def test_cli_a_worker_that_dies_mid_run_fails_by_name_and_the_printed_command_re
     assert {m["step"] for m in resumed} == {1, 2} and all(m["rollout/kl"] < 1e-10 for m in resumed)
     assert all(m["time/sync"] > 0 for m in resumed if m["step"] == 2)  # step 2's engine loaded step 1's updates
     assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+
+
+RANK_REPORT = '''
+"""torchrun runs this: moe-rl train, with each rank noting what its engine sampled and, at the end, a digest of its
+weights (rank<r>.json in the run directory)."""
+import hashlib, json, sys
+from pathlib import Path
+
+from moe_rl.cli import main
+from moe_rl.rl import distributed
+from moe_rl.rl.trainer import Trainer
+
+rollouts, rollout, close = [], Trainer.rollout, Trainer.close
+
+
+def noted_rollout(self):
+    batch, metrics = rollout(self)
+    rollouts.append({"step": self.step, "engine": type(self.engine).__name__, "engine_version": self.engine.version,
+                     "updates": self.updates, "rows": batch.size, "prompts": sorted(set(batch.prompts))})
+    return batch, metrics
+
+
+def noted_close(self):
+    digest = hashlib.sha256()
+    for name, tensor in sorted(self.model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    Path(self.cfg.out_dir, f"rank{distributed.rank()}.json").write_text(
+        json.dumps({"rollouts": rollouts, "weights": digest.hexdigest(), "updates": self.updates}))
+    close(self)
+
+
+Trainer.rollout, Trainer.close = noted_rollout, noted_close
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_each_drive_their_own_engine(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moe_rl.cli train --rollout.engine vllm` on CPU (gloo), 2 rollout steps: each
+    rank's own vLLM engine samples its own prompts, is synced to the weights after step 0's updates, and
+    matches that rank's trainer exactly (R3, fp32: rollout k3 and set changes 0, reduced over the ranks); both ranks
+    end with bit-identical weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, run = tmp_path / "ranks.py", tmp_path / "run"
+    script.write_text(RANK_REPORT)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+            "train", *QWEN3_MOE, "--rollout.engine", "vllm", "--routing-mode", "R3", "--total-steps", "2",
+            "--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--minibatches", "2",
+            "--probes.enabled", "rollout", "--probes.tokens", "all", "--out-dir", str(run), "--quiet"]
+    done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in ranks:
+        assert [n["step"] for n in report["rollouts"]] == [0, 1]
+        assert all(n["engine"] == "VLLMEngine" and n["rows"] == 4 * 4 for n in report["rollouts"])
+        assert [n["engine_version"] for n in report["rollouts"]] == [0, 2]  # synced after step 0's 2 updates
+        assert report["updates"] == 4
+    for step in (0, 1):
+        prompts = [set(report["rollouts"][step]["prompts"]) for report in ranks]
+        assert prompts[0] and prompts[1] and prompts[0] != prompts[1]  # each rank's own share of the step's prompts
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m["step"] for m in lines} == {0, 1}
+    assert all(m["routing/rollout/set_change"] == 0.0 and m["rollout/kl"] < 1e-10 for m in lines)
+    assert "Traceback" not in done.stderr  # the engines shut down before torchrun's process group is torn down
