@@ -110,12 +110,16 @@ def run_steps(size: str, engine: str, prompts: int, group: int, new_tokens: int,
         if line["step"] == 0:  # the engine starts inside step 0's rollout
             continue
         parts = by_step.setdefault(line["step"], {"rollout": line["time/rollout"] - line["time/sync"],
-                                                  "sync": line["time/sync"], "training": line["time/old_pass"]})
+                                                  "sync": line["time/sync"], "training": line["time/old_pass"],
+                                                  "length": line["completions/mean_length"]})
         parts["training"] += line["time/update"]
     parts = {name: statistics.median(step[name] for step in by_step.values()) for name in ("rollout", "sync",
                                                                                             "training")}
+    # Completions end at EOS here, so their length (which sets the training's cost) varies with the engine's draws.
+    length = statistics.median(step["length"] for step in by_step.values())
     total = sum(parts.values())
     return {"size": size, "engine": f"{engine} fp32", "rows": prompts * group, "new_tokens": new_tokens,
+            "mean_completion_tokens": round(length, 1),
             "steps_timed": len(by_step), **{f"{name}_s": round(t, 3) for name, t in parts.items()},
             "step_s": round(total, 3), **{f"{name}_share": round(t / total, 3) for name, t in parts.items()},
             "peak_rss_gb": round(peak_rss_gb(), 1)}
@@ -146,9 +150,10 @@ def tokens_table(rows: list[dict]) -> list[str]:
 
 
 def step_table(rows: list[dict]) -> list[str]:
-    lines = ["| size | engine | rows x new tokens | step s | rollout s (share) | weight sync s (share) | "
-             "training s (share) |", "|---" * 7 + "|"]
-    return lines + [f"| {r['size']} | {r['engine']} | {r['rows']} x {r['new_tokens']} | {r['step_s']} | "
+    lines = ["| size | engine | rows x new tokens (mean completion) | step s | rollout s (share) | weight sync s "
+             "(share) | training s (share) |", "|---" * 7 + "|"]
+    return lines + [f"| {r['size']} | {r['engine']} | {r['rows']} x {r['new_tokens']} "
+                    f"({r['mean_completion_tokens']}) | {r['step_s']} | "
                     + " | ".join(f"{r[f'{part}_s']} ({r[f'{part}_share']:.0%})" for part in ("rollout", "sync",
                                                                                                 "training")) + " |"
                     for r in rows]
