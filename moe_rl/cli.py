@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_rl.errors import USER_ERRORS, ConfigError, DiskFullError
+from moe_rl.errors import USER_ERRORS, ConfigError, DiskFullError, EngineFailed
 
 # Exit statuses: 0 done, 1 a failed run (or a sweep with one), 2 a user error (one line on stderr), 3 the run diverged,
 # 130 / 143 stopped by SIGINT / SIGTERM (status interrupted; the last line says how to resume).
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
               "free space, then run the same command again; train continues from its checkpoint with --resume)",
               file=sys.stderr)
         return EXIT_USER_ERROR
+    except EngineFailed as err:  # the run is marked failed; the message ends with the command that resumes it
+        print(f"moe-rl {name}: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except (MemoryError, RuntimeError) as err:
         if not _out_of_memory(err):
             raise

@@ -19,6 +19,12 @@ class RoutingError(ValueError):
     """A routing trace does not fit the model it is replayed on. The message names the layer."""
 
 
+class EngineFailed(RuntimeError):
+    """The rollout engine failed mid-run (a vLLM engine that died, ran out of memory, lost a worker): the message
+    names the engine, the rollout step and the command that resumes the run from its last checkpoint. Not a user
+    error: `moe-rl train` prints it as one line, marks the run failed and exits with status 1."""
+
+
 class DiskFullError(OSError):
     """The file system ran out of space while a file was written: `str()` is "no space left on device while saving
     <file>" (the file is the one that was being replaced; the old one, if any, is intact)."""

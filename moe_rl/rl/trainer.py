@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, EngineFailed
 from moe_rl.model import MoETransformer
 from moe_rl.objectives import get_objective
 from moe_rl.objectives.common import loss_denominator_count
@@ -39,7 +39,7 @@ from moe_rl.rl import distributed
 from moe_rl.rl.advantages import group_advantages, reward_stats, zero_std_groups
 from moe_rl.rl.build import build_model, build_model_tokenizer, freeze_routers, make_optimizer
 from moe_rl.rl.correction import Correction, corrected_loss_inputs, mismatch_metrics, rollout_correction
-from moe_rl.rl.engines import EngineFailed, build_engine
+from moe_rl.rl.engines import build_engine
 from moe_rl.rl.heldout import heldout_metrics
 from moe_rl.rl.policy import PolicyOutput, policy_forward
 from moe_rl.rl.probes import NativeRouting, Prober, probes_whole_batch
@@ -55,7 +55,7 @@ from moe_rl.runs.checkpoint import (
     save_checkpoint,
     training_state,
 )
-from moe_rl.runs.runlog import write_table
+from moe_rl.runs.runlog import resume_command, write_table
 from moe_rl.tasks import build_task
 
 ROUTING_TABLE_KEYS = ("update", "minibatch", "probe", "layer")  # a routing/ table row, reduced over ranks
@@ -186,7 +186,9 @@ class Trainer:
         self.model.eval()
         engine = self.rollout_engine()
         try:
+            t_sync = time.perf_counter()
             engine.sync(self.model, self.updates)  # the policy after this run's optimizer steps so far
+            sync_s = time.perf_counter() - t_sync
             with distributed.full_parameters(self.model):  # FSDP2: ranks stop sampling at different steps
                 gen, rewards_B, completions = generate_groups(self.model, self.task, self.tokenizer, problems,
                                                               cfg.rollout.group_size, cfg.rollout.sampling,
@@ -201,14 +203,15 @@ class Trainer:
             if engine.name == "native":
                 raise
             first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise EngineFailed(f"rollout engine {engine.name} failed at rollout step {self.step} "
-                               f"({type(err).__name__}: {first}); the run resumes from its last checkpoint with "
-                               "--resume") from err
+            raise EngineFailed(f"rollout engine {engine.name} failed at rollout step {self.step} on rank "
+                               f"{distributed.rank()} ({type(err).__name__}: {first}); the run continues from its last "
+                               f"checkpoint with: {resume_command(self.out_dir, distributed.world_size())}") from err
         rewards_NG = rewards_B.view(len(problems), cfg.rollout.group_size)
         advantages_B = group_advantages(rewards_NG, scale_by_std=self.spec.normalize_adv_by_std).reshape(-1)
         prompts = [p.prompt for p in problems for _ in range(cfg.rollout.group_size)]
         batch = to_rollout_batch(gen, rewards_B, advantages_B, cfg.rollout.group_size, prompts, completions)
-        metrics = {**reward_stats(rewards_NG), **length_stats(batch, cfg.rollout.sampling.max_new_tokens)}
+        metrics = {**reward_stats(rewards_NG), **length_stats(batch, cfg.rollout.sampling.max_new_tokens),
+                   "time/sync": sync_s}
         if self.spec.drop_zero_std_groups:
             keep_B = ~zero_std_groups(rewards_NG).repeat_interleave(cfg.rollout.group_size)
             metrics["dapo/kept_frac"] = keep_B.float().mean().item()
@@ -216,29 +219,40 @@ class Trainer:
         return batch, metrics
 
     def rollout_engine(self):
-        """The engine that samples rollouts (`--rollout.engine`), built once from the current model."""
+        """The engine that samples rollouts (`--rollout.engine`), built once from the current model; under torchrun
+        every rank builds its own, for its own prompts (moe_rl.rl.vllm_engine, "Under torchrun")."""
         if self.engine is None:
-            if self.cfg.rollout.engine != "native" and distributed.world_size() > 1:
-                raise ConfigError(f"--rollout.engine {self.cfg.rollout.engine} runs in a single process for now; "
-                                  "under torchrun use the native engine")
             self.engine = build_engine(self.cfg.rollout.engine, self.model, self.cfg.rollout.sampling,
                                        seed=self.cfg.seed, version=self.updates)
         return self.engine
 
+    def close(self) -> None:
+        """Shut the rollout engine down (a vLLM engine holds memory and, under torchrun, groups of the ranks' process
+        group)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def rollout_on_all_ranks(self) -> tuple[RolloutBatch, dict, int]:
         """This rank's rollout, and the number of optimizer steps of this rollout step, the same on every rank:
-        min(minibatches, the most rows any rank kept). A divergence while sampling on any rank stops every rank."""
+        min(minibatches, the most rows any rank kept). A divergence or a failed engine while sampling on any rank
+        stops every rank with that rank's error."""
         try:
             batch, metrics = self.rollout()
             failure = None
-        except Diverged as err:
+        except (Diverged, EngineFailed) as err:
             batch, metrics, failure = None, {}, err
-        reports = distributed.gather_objects((0 if batch is None else batch.size, failure and str(failure)))
+        reports = distributed.gather_objects((0 if batch is None else batch.size,
+                                              failure and (type(failure).__name__, str(failure))))
         if failure is not None:
             raise failure
-        for rank, (_, message) in enumerate(reports):
-            if message is not None:
-                raise Diverged(f"rank {rank}: {message}")
+        for rank, (_, report) in enumerate(reports):
+            if report is None:
+                continue
+            kind, message = report
+            if kind == "EngineFailed":  # its message names the rank
+                raise EngineFailed(message)
+            raise Diverged(f"rank {rank}: {message}")
         return batch, metrics, min(self.cfg.minibatches, max(rows for rows, _ in reports))
 
     def minibatch_chunks(self, batch: RolloutBatch, n_chunks: int) -> tuple[RolloutBatch, list[torch.Tensor]]:

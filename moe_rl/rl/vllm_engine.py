@@ -20,6 +20,15 @@ How:
 - Precision (`--rollout.sampling.precision`): `trainer` and `exact` serve the model in the trainer's dtype (fp32 on
   CPU: the zero-mismatch control), `bf16` and `fp16` in that dtype; `fp8` is refused (not served by vLLM on CPU).
 - Each request gets its own sampling seed drawn from the trainer's sampling generator, so a run is reproducible.
+
+Under torchrun every rank starts its own engine, for its own prompts, from its own copy of the weights (identical on
+every rank: DDP broadcasts rank 0's). vLLM's in-process executor finds torchrun's process group initialized and
+builds its groups inside it (each rank a tensor-parallel group of one; its world is torchrun's): creating them is a
+collective, which every rank reaches together at its first rollout. It reads no MASTER_ADDR, MASTER_PORT or RANK
+(only vLLM's `external_launcher` backend, for tensor parallelism across torchrun ranks, does) and opens no port.
+Two things differ from one process: transformers' `save_pretrained` writes only on rank 0 of an initialized group
+(`save_on_this_rank` writes on every rank), and vLLM's shutdown destroys the default process group (`close`).
+Tensor parallelism inside one rank's engine (`tensor_parallel_size`) is not exposed: untested here (CPU, no GPUs).
 """
 
 from __future__ import annotations
@@ -58,9 +67,12 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
         from vllm import LLM
 
+        # Under torchrun (see above); in one process a group of one may be left from an earlier engine, vLLM's own.
+        self.in_torchrun_group = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
         self.folder = tempfile.TemporaryDirectory(prefix="moe-rl-vllm-")
         self.twin = None  # the native model's Mixtral, refreshed at every sync
-        self.served(model).save_pretrained(self.folder.name)
+        save_on_this_rank(self.served(model), self.folder.name)
         self.llm = LLM(model=self.folder.name, skip_tokenizer_init=True, enforce_eager=True, dtype=self.dtype,
                        enable_prefix_caching=False, worker_extension_cls=WORKER_EXTENSION,
                        logprobs_mode="processed_logprobs", seed=seed,
@@ -165,6 +177,14 @@ class VLLMEngine:
         return RoutingTrace(ids_LBSK.to(valid_BP.device))
 
     def close(self) -> None:
+        """Release the engine. Under torchrun vLLM's own shutdown would end with destroying the default process
+        group, the trainer's: there the engine's shutdown hook is detached and only its worker shut down (its groups
+        go with torchrun's when the trainer leaves it). In a single process the group is vLLM's own and vLLM's
+        shutdown, when the engine is collected, removes it."""
+        if self.llm is not None and self.in_torchrun_group:
+            client = self.llm.llm_engine.engine_core  # the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            client._finalizer.detach()
+            client.engine_core.model_executor.shutdown()
         self.llm = None
         self.folder.cleanup()
 
@@ -174,6 +194,16 @@ def decoder_layer_ids(model) -> list[int]:
     if hasattr(model, "hf"):
         return [site.layer_index for site in routing_sites(model)]
     return [index for index, block in enumerate(model.blocks) if block.is_moe]
+
+
+def save_on_this_rank(hf_model, folder: str) -> None:
+    """`hf_model.save_pretrained(folder)` on every rank: under torchrun transformers writes only on rank 0 of the
+    process group, but every rank starts an engine of its own, from its own folder."""
+    hf_model.should_save_on_this_rank = lambda is_main_process: is_main_process  # an instance attribute, removed below
+    try:
+        hf_model.save_pretrained(folder)
+    finally:
+        del hf_model.should_save_on_this_rank
 
 
 def checkpoint_state(hf_model) -> dict[str, torch.Tensor]:

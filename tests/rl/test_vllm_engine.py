@@ -227,3 +227,111 @@ def test_cli_resume_starts_the_engine_from_the_checkpoint(tmp_path):
     lines = _train(tmp_path, "trainer", "--checkpoint-every", "1", "--total-steps", "3", "--resume")
     last = [m for m in lines if m["step"] == 2 and "routing/rollout/set_change" in m]
     assert last and last[0]["routing/rollout/set_change"] == 0.0 and last[0]["rollout/kl"] < 1e-10
+
+
+@pytest.mark.slow
+def test_cli_a_worker_that_dies_mid_run_fails_by_name_and_the_printed_command_resumes(tmp_path, monkeypatch, capsys):
+    """The vLLM worker raises in the weight sync after step 0 (as a worker that lost its process does): `moe-rl
+    train` ends with one line naming the engine, the step and the resume command (status 1, run failed); that
+    command, with a healthy worker, continues from step 1's checkpoint and its rollouts match the trainer exactly."""
+    import json
+    import shlex
+
+    from moe_rl.cli import main
+    from moe_rl.rl.vllm_worker import MoERLWorkerExtension
+
+    def dies(self, state):
+        raise RuntimeError("worker process lost (test)")
+
+    run = tmp_path / "run"
+    argv = ["train", *QWEN3_MOE, "--rollout.engine", "vllm", "--routing-mode", "R3", "--total-steps", "3",
+            "--rollout.prompts-per-step", "4", "--rollout.group-size", "4", "--probes.enabled", "rollout",
+            "--checkpoint-every", "1", "--out-dir", str(run), "--quiet"]
+    with monkeypatch.context() as patch:
+        patch.setattr(MoERLWorkerExtension, "moe_rl_load", dies)
+        assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("moe-rl train: error: rollout engine vllm failed at rollout step 1 on rank 0 (RuntimeError: "
+                          "worker process lost (test)); the run continues from its last checkpoint with: moe-rl train")
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+
+    resume = shlex.split(err.split("checkpoint with: ", 1)[1])
+    assert main([*resume[1:], "--quiet"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({m["step"] for m in lines}) == [0, 1, 2]
+    resumed = [m for m in lines if m["step"] >= 1 and "rollout/kl" in m]
+    assert {m["step"] for m in resumed} == {1, 2} and all(m["rollout/kl"] < 1e-10 for m in resumed)
+    assert all(m["time/sync"] > 0 for m in resumed if m["step"] == 2)  # step 2's engine loaded step 1's updates
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+
+
+RANK_REPORT = '''
+"""torchrun runs this: moe-rl train, with each rank noting what its engine sampled and, at the end, a digest of its
+weights (rank<r>.json in the run directory)."""
+import hashlib, json, sys
+from pathlib import Path
+
+from moe_rl.cli import main
+from moe_rl.rl import distributed
+from moe_rl.rl.trainer import Trainer
+
+rollouts, rollout, close = [], Trainer.rollout, Trainer.close
+
+
+def noted_rollout(self):
+    batch, metrics = rollout(self)
+    rollouts.append({"step": self.step, "engine": type(self.engine).__name__, "engine_version": self.engine.version,
+                     "updates": self.updates, "rows": batch.size, "prompts": sorted(set(batch.prompts))})
+    return batch, metrics
+
+
+def noted_close(self):
+    digest = hashlib.sha256()
+    for name, tensor in sorted(self.model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    Path(self.cfg.out_dir, f"rank{distributed.rank()}.json").write_text(
+        json.dumps({"rollouts": rollouts, "weights": digest.hexdigest(), "updates": self.updates}))
+    close(self)
+
+
+Trainer.rollout, Trainer.close = noted_rollout, noted_close
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_each_drive_their_own_engine(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moe_rl.cli train --rollout.engine vllm` on CPU (gloo), 2 rollout steps: each
+    rank's own vLLM engine samples its own prompts, is synced to the weights after step 0's updates, and
+    matches that rank's trainer exactly (R3, fp32: rollout k3 and set changes 0, reduced over the ranks); both ranks
+    end with bit-identical weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, run = tmp_path / "ranks.py", tmp_path / "run"
+    script.write_text(RANK_REPORT)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+            "train", *QWEN3_MOE, "--rollout.engine", "vllm", "--routing-mode", "R3", "--total-steps", "2",
+            "--rollout.prompts-per-step", "8", "--rollout.group-size", "4", "--minibatches", "2",
+            "--probes.enabled", "rollout", "--probes.tokens", "all", "--out-dir", str(run), "--quiet"]
+    done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in ranks:
+        assert [n["step"] for n in report["rollouts"]] == [0, 1]
+        assert all(n["engine"] == "VLLMEngine" and n["rows"] == 4 * 4 for n in report["rollouts"])
+        assert [n["engine_version"] for n in report["rollouts"]] == [0, 2]  # synced after step 0's 2 updates
+        assert report["updates"] == 4
+    for step in (0, 1):
+        prompts = [set(report["rollouts"][step]["prompts"]) for report in ranks]
+        assert prompts[0] and prompts[1] and prompts[0] != prompts[1]  # each rank's own share of the step's prompts
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m["step"] for m in lines} == {0, 1}
+    assert all(m["routing/rollout/set_change"] == 0.0 and m["rollout/kl"] < 1e-10 for m in lines)
+    assert "Traceback" not in done.stderr  # the engines shut down before torchrun's process group is torn down
