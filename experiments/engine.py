@@ -18,7 +18,7 @@ measured against the trainer's native routing even under R3): docs/metrics.md.
     .venv-vllm/bin/moe-rl sweep engine --arg regime=long --arg steps=10 --workers 2   # where GRPO learns
     moe-rl sweep engine --arg scale=gpu --executor slurm --partition gpu --time 120   # needs `pip install vllm`
 
-The runs need vLLM (`make .venv-vllm/.installed`); without it the plan is refused in one line naming the install.
+The runs need vLLM (`make install-engine`); without it the plan is refused in one line naming the install.
 `--arg regime=long` runs the same arms on the long regime's own native model (64 experts top-8, 2 heads of 32),
 served to vLLM as its Mixtral export, with the regime's batch and lr (64 x 8, 5e-5), where GRPO learns.
 

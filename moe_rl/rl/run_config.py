@@ -64,12 +64,18 @@ class OptimConfig:
     gradient norm): routing then moves only because the hidden states feeding the routers move."""
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "router_lr_scale"):
-            check_positive(name, getattr(self, name), allow_zero=True)
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        check_adamw(self)
+        check_positive("router_lr_scale", self.router_lr_scale, allow_zero=True)
+
+
+def check_adamw(cfg) -> None:
+    """The AdamW fields train's and sft's optimizer configs share: lr > 0, the rest >= 0, betas in [0, 1)."""
+    check_positive("lr", cfg.lr)
+    for name in ("warmup_steps", "weight_decay", "grad_clip"):
+        check_positive(name, getattr(cfg, name), allow_zero=True)
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be in [0, 1)")
 
 
 @dataclass
@@ -255,12 +261,7 @@ class SFTOptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
-            check_positive(name, getattr(self, name), allow_zero=True)
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        check_adamw(self)
 
 
 @dataclass

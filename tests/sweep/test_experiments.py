@@ -203,7 +203,7 @@ def test_engine_grid_is_five_arms_by_three_seeds_from_one_warm_start():
     assert long.grid == exp.grid and long.warmstart.model == long.base.model
 
 
-@pytest.mark.skipif(not vllm_installed(), reason="the runs' configs need vllm installed (make .venv-vllm/.installed)")
+@pytest.mark.skipif(not vllm_installed(), reason="the runs' configs need vllm installed (make install-engine)")
 def test_engine_plan_names_each_arm_and_builds_its_configs():
     plan = plan_sweep(get_experiment("engine"), "/tmp/unused")
     assert len(plan.runs) == 15 and len(plan.warmstarts) == 1
