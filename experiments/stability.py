@@ -82,10 +82,13 @@ AXES = ("both", "lr", "staleness")
 
 
 def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
-              n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0) -> Experiment:
+              n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0, dense_twin: bool = False) -> Experiment:
     """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`.
     0 keeps the regime's value: `n_layers` its 4 MoE blocks, `terms` its RL problems' length (7 on cpu),
-    `warm_start_terms` the longest sums the warm start is trained on (6 on cpu)."""
+    `warm_start_terms` the longest sums the warm start is trained on (6 on cpu). `dense_twin`: the same map for the
+    regime's dense twin (ModelConfig.dense_twin: one always-taken expert of width K x d_expert per MoE layer), from a
+    warm start of its own (the sweep trains one per architecture); its routing modes are all native in effect, so
+    `methods=grpo,gspo,grpo+TIS,grpo+IcePop` is the useful set."""
     chosen = _methods(methods)
     if axes not in AXES:
         raise ConfigError(f"axes={axes!r} must be one of {', '.join(AXES)}")
@@ -96,6 +99,8 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     base, warmstart = regime.base, regime.warmstart
     if n_layers:
         base = replace(base, model=replace(base.model, n_layers=n_layers))
+    if dense_twin:
+        base = replace(base, model=base.model.dense_twin())
     if terms:
         base = replace(base, rollout=replace(base.rollout, sampling=replace(
             base.rollout.sampling, max_new_tokens=answer_room(scale, terms))))

@@ -5,6 +5,7 @@ tests/analysis/test_stability_map.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +286,22 @@ def test_gspo_at_twice_the_lr_declines_and_its_edge_at_matched_kl_is_undecided()
     assert len(gspo_rows) == 3 and gspo_rows["n_seeds"].min() >= 3  # every KL point inside native's range
     tested = gspo_rows.dropna(subset=["p_holm"])
     assert len(tested) >= 2 and (tested["p_holm"] >= 0.05).all() and (tested["diff_ci_low"] < 0).all()
+
+
+def test_the_dense_twin_arm_plans_the_same_cells_on_the_twin_from_its_own_warm_start():
+    """`--arg dense_twin=true`: the MoE's cells and methods, on ModelConfig.dense_twin() of the regime's model, and a
+    warm start trained on the twin's architecture (the MoE's warm start cannot load into it)."""
+    from moe_rl.experiments.stability import stability
+    from moe_rl.sweep.command import plan_sweep
+
+    arguments = {"axes": "lr", "methods": "grpo,gspo"}
+    moe = plan_sweep(stability, "sweeps/x", arguments)
+    twin = plan_sweep(stability, "sweeps/x", {**arguments, "dense_twin": True})
+    assert [r.name for r in twin.runs] == [r.name for r in moe.runs]
+    moe_model, twin_model = moe.runs[0].config.model, twin.runs[0].config.model
+    assert (twin_model.n_experts, twin_model.top_k) == (1, 1)
+    assert twin_model.d_expert == moe_model.top_k * moe_model.d_expert
+    same_but_model = [replace(r.config, model=moe_model, init_from=None, out_dir=None) for r in twin.runs]
+    assert same_but_model == [replace(r.config, init_from=None, out_dir=None) for r in moe.runs]
+    (key, warm), = twin.warmstarts.items()
+    assert key.startswith("L4-E1-K1-") and warm.model.n_experts == 1 and key not in moe.warmstarts
