@@ -311,7 +311,9 @@ def scaling_tables(data: RunSet, cells: pd.DataFrame, summary: pd.DataFrame) -> 
     if "init_from" in data.runs:
         per_run["init_from"] = per_run["run"].map(data.runs.set_index("run")["init_from"].map(warm_start_name))
     fit_runs, paper_runs = split_target(per_run)
-    if fit_runs["optim.lr"].nunique() < 2:
+    # A log-log law needs runs whose routing moved: a dense twin's (one expert) never does, and has no law to fit.
+    moved = fit_runs[(fit_runs["churn"] > 0) & (fit_runs["set_change"] > 0)]
+    if fit_runs["optim.lr"].nunique() < 2 or moved["optim.lr"].nunique() < 2:
         return {}
     cluster = warm_start_cluster(fit_runs)
     tables = {"scaling_fit": coefficient_table(fit_runs, cluster=cluster),

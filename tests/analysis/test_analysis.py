@@ -385,3 +385,17 @@ def test_fields_unset_in_some_runs_or_added_since_others_ran_group_correctly(tmp
 def test_a_baseline_path_without_evaluate_json_is_named(tmp_path):
     with pytest.raises(ConfigError, match="baseline=.*no evaluate.json there"):
         ReportConfig(str(tmp_path), baseline=str(tmp_path / "missing"))
+
+
+def test_a_sweep_whose_routing_never_moves_has_no_scaling_fit_and_no_error():
+    """A dense twin's runs (one expert) read churn 0 everywhere: the report leaves the churn law out instead of
+    failing on a fit with no usable run."""
+    from moe_rl.analysis.report import scaling_tables
+
+    runs = pd.DataFrame({"run": ["a", "b", "c", "d"], "status": "finished"})
+    summary = pd.DataFrame({"run": ["a", "b", "c", "d"], "group": "g", "optim.lr": [1e-4, 1e-4, 4e-4, 4e-4],
+                            "churn": 0.0, "set_change": 0.0, "token_any": 0.0, "kl_median": [1e-3, 2e-3, 5e-3, 6e-3],
+                            "model.n_layers": 4, "model.n_experts": 1, "model.top_k": 1})
+    cells = pd.DataFrame({"group": ["g"], "learns": [True]})
+    data = type("RunSetLike", (), {"runs": runs})()
+    assert scaling_tables(data, cells, summary) == {}
