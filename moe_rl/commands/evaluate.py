@@ -33,6 +33,7 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -136,15 +137,9 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, int | None]:
     return ModelConfig(**{k: v for k, v in saved.items() if k in known}), state.get("step")
 
 
-def pick_temperature(sweep: dict[float, Accuracy]) -> float:
-    """The temperature of the highest validation accuracy; on a tie the lowest such temperature."""
-    best = max(acc.mean for acc in sweep.values())
-    return min(t for t, acc in sweep.items() if acc.mean == best)
-
-
-def pick_decoding(sweep: dict[tuple[int, float], Accuracy]) -> tuple[int, float]:
-    """The (min_new_tokens, temperature) of the highest validation accuracy; on a tie the shortest length control,
-    then the lowest temperature."""
+def pick_best(sweep: dict) -> Any:
+    """The setting of the highest validation accuracy; on a tie the smallest setting: the lowest temperature, or for
+    (min_new_tokens, temperature) pairs the shortest length control, then the lowest temperature."""
     best = max(acc.mean for acc in sweep.values())
     return min(key for key, acc in sweep.items() if acc.mean == best)
 
@@ -173,7 +168,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     lengths = sorted(cfg.min_new_tokens)
     sweep = {(n, t): measure("validation", cfg.validation_prompts, decoding(n, t))
              for n in lengths for t in sorted(cfg.temperatures)}
-    best_length, best = pick_decoding(sweep)
+    best_length, best = pick_best(sweep)
     sampled = measure("eval", cfg.heldout_prompts, decoding(best_length, best))
     argmax = measure("eval", cfg.heldout_prompts, greedy(data.sampling), samples=1)
     result = {"checkpoint": str(path), "step": step, "config": asdict(cfg), "task": asdict(data.task),
@@ -185,7 +180,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     if lengths != [0]:
         greedy_sweep = {n: measure("validation", cfg.validation_prompts,
                                    replace(greedy(data.sampling), min_new_tokens=n), samples=1) for n in lengths}
-        greedy_length = pick_temperature(greedy_sweep)  # the same rule: the best, the smallest on a tie
+        greedy_length = pick_best(greedy_sweep)
         result["validation_greedy"] = [{"min_new_tokens": n, **asdict(acc)} for n, acc in greedy_sweep.items()]
         result["heldout"]["greedy_length"] = {
             "min_new_tokens": greedy_length,

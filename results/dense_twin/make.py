@@ -85,15 +85,15 @@ def figure(table: pd.DataFrame):
 
 def main(outputs: list[str]) -> None:
     runs = per_run(outputs)
-    table, crit = cells(runs), critical(outputs)
+    table, pairs, crit = cells(runs), paired(runs), critical(outputs)
     (HERE / "tables").mkdir(exist_ok=True)
     runs.to_csv(HERE / "tables" / "per_run.csv", index=False)
     table.to_csv(HERE / "tables" / "cells.csv", index=False)
-    paired(runs).to_csv(HERE / "tables" / "paired.csv", index=False)
+    pairs.to_csv(HERE / "tables" / "paired.csv", index=False)
     crit.to_csv(HERE / "tables" / "critical.csv", index=False)
     save(figure(table), HERE, "change_vs_lr")
     print(table.to_string(index=False))
-    print(paired(runs).to_string(index=False))
+    print(pairs.to_string(index=False))
     print(crit.to_string(index=False))
 
 

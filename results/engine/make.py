@@ -1,7 +1,7 @@
 """Rebuild results/engine/ (runs.csv, tables.md, three figures) from the `engine` sweep's folder.
 
     .venv/bin/python results/engine/make.py sweeps/engine "sweeps/engine,regime=long,steps=10"   # results/engine/
-    .venv/bin/python results/engine/make.py sweeps/engine --out /tmp/engine                       # one regime
+    .venv/bin/python results/engine/make.py sweeps/engine --out outputs/engine                     # one regime
 
 Reads every run with moe_rl.analysis.load.load_runs, names its arm from its config (ARMS below), and summarises
 each run's metrics three ways: at rollout step 0 (every arm's weights are the warm start's, its prompts the

@@ -25,7 +25,7 @@ import moe_rl.commands.evaluate as evaluate_module
 import moe_rl.rl.heldout as evaluation
 from moe_rl.analysis.baseline import against_baseline, baseline_markdown, read_baseline, with_baseline
 from moe_rl.cli import main
-from moe_rl.commands.evaluate import EvaluateConfig, evaluate, pick_temperature, read_checkpoint
+from moe_rl.commands.evaluate import EvaluateConfig, evaluate, pick_best, read_checkpoint
 from moe_rl.commands.train import train
 from moe_rl.errors import ConfigError
 from moe_rl.rl.build import build_model
@@ -221,7 +221,7 @@ def test_a_length_control_is_chosen_with_the_temperature_on_validation(tmp_path,
 
 def test_a_tie_on_validation_goes_to_the_lower_temperature():
     acc = {t: Accuracy(m, 0.0, 1, 1) for t, m in {1.0: 0.5, 0.5: 0.5, 0.7: 0.4}.items()}
-    assert pick_temperature(acc) == 0.5
+    assert pick_best(acc) == 0.5
 
 
 def test_evaluate_help_documents_its_fields(capsys):
