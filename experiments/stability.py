@@ -82,14 +82,19 @@ AXES = ("both", "lr", "staleness")
 
 
 def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
-              n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0, dense_twin: bool = False) -> Experiment:
+              n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0, dense_twin: bool = False,
+              warm_starts: int = 1) -> Experiment:
     """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`.
     0 keeps the regime's value: `n_layers` its 4 MoE blocks, `terms` its RL problems' length (7 on cpu),
     `warm_start_terms` the longest sums the warm start is trained on (6 on cpu). `dense_twin`: the same map for the
     regime's dense twin (ModelConfig.dense_twin: one always-taken expert of width K x d_expert per MoE layer), from a
     warm start of its own (the sweep trains one per architecture); its routing modes are all native in effect, so
-    `methods=grpo,gspo,grpo+TIS,grpo+IcePop` is the useful set."""
+    `methods=grpo,gspo,grpo+TIS,grpo+IcePop` is the useful set. `warm_starts`: warm starts per architecture (SFT
+    seeds 0 .. warm_starts - 1); run seed s trains from warm start s mod warm_starts, so seeds nest within warm
+    starts, the unit of replication (results/dense_twin/PROTOCOL.md)."""
     chosen = _methods(methods)
+    if warm_starts < 1:
+        raise ConfigError(f"warm_starts={warm_starts} must be at least 1")
     if axes not in AXES:
         raise ConfigError(f"axes={axes!r} must be one of {', '.join(AXES)}")
     lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in LRS]
@@ -111,7 +116,8 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     base = replace(base, log=replace(base.log, eval_every=5))
     # Seed first: a sweep stopped part way leaves whole seeds of every cell, the pairs the comparisons need.
     grid = product([{"seed": s} for s in range(seeds)], cells, [METHODS[m] for m in chosen])
-    return Experiment(base, grid, warmstart=warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS)
+    return Experiment(base, grid, warmstart=warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS,
+                      warmstart_seeds=warm_starts)
 
 
 def _checked_terms(name: str, value: int, fewest: int) -> int:
