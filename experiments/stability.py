@@ -83,7 +83,7 @@ AXES = ("both", "lr", "staleness")
 
 def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
               n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0, dense_twin: bool = False,
-              warm_starts: int = 1) -> Experiment:
+              warm_starts: int = 1, lrs: str = "") -> Experiment:
     """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`.
     0 keeps the regime's value: `n_layers` its 4 MoE blocks, `terms` its RL problems' length (7 on cpu),
     `warm_start_terms` the longest sums the warm start is trained on (6 on cpu). `dense_twin`: the same map for the
@@ -91,13 +91,14 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     warm start of its own (the sweep trains one per architecture); its routing modes are all native in effect, so
     `methods=grpo,gspo,grpo+TIS,grpo+IcePop` is the useful set. `warm_starts`: warm starts per architecture (SFT
     seeds 0 .. warm_starts - 1); run seed s trains from warm start s mod warm_starts, so seeds nest within warm
-    starts, the unit of replication (results/dense_twin/PROTOCOL.md)."""
+    starts, the unit of replication (results/dense_twin/PROTOCOL.md). `lrs`: the lr axis's learning rates joined by
+    commas (empty: LRS), e.g. off-grid rates that match another method's step size."""
     chosen = _methods(methods)
     if warm_starts < 1:
         raise ConfigError(f"warm_starts={warm_starts} must be at least 1")
     if axes not in AXES:
         raise ConfigError(f"axes={axes!r} must be one of {', '.join(AXES)}")
-    lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in LRS]
+    lr_cells = [{"optim.lr": lr, "minibatches": FIXED_MINIBATCHES} for lr in _lrs(lrs)]
     staleness_cells = [{"optim.lr": FIXED_LR, "minibatches": m} for m in MINIBATCHES]
     cells = union(*({"both": (lr_cells, staleness_cells), "lr": (lr_cells,), "staleness": (staleness_cells,)}[axes]))
     regime = length_generalisation(scale, seeds=1, steps=steps, terms=terms and _checked_terms("terms", terms, 2))
@@ -118,6 +119,18 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     grid = product([{"seed": s} for s in range(seeds)], cells, [METHODS[m] for m in chosen])
     return Experiment(base, grid, warmstart=warmstart, warmstart_own_task=True, labels=CORRECTION_LABELS,
                       warmstart_seeds=warm_starts)
+
+
+def _lrs(lrs: str) -> tuple[float, ...]:
+    if not lrs:
+        return LRS
+    try:
+        values = tuple(float(v) for v in lrs.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) <= 0:
+        raise ConfigError(f"lrs={lrs!r} must be positive learning rates joined by commas, e.g. 2e-4,4e-4")
+    return values
 
 
 def _checked_terms(name: str, value: int, fewest: int) -> int:

@@ -57,3 +57,18 @@ def test_a_twin_run_reads_zero_churn_and_moves_only_by_the_policy_loss(tmp_path)
 def test_only_the_native_model_has_a_twin():
     with pytest.raises(ConfigError, match="dense_twin"):
         ModelConfig(backend="hf", hf_config="qwen3_moe").dense_twin()
+
+
+def test_the_stability_sweep_nests_seeds_within_warm_starts_and_takes_its_own_learning_rates():
+    """`warm_starts=3`: run seed s trains from SFT seed s mod 3 (the second sitting of results/dense_twin relies on
+    seeds 1 and 4 sharing a warm start); `lrs` replaces the lr axis; a bad value names the argument."""
+    from moe_rl.experiments.stability import stability
+
+    spec = stability(axes="lr", methods="grpo", seeds=6, warm_starts=3, lrs="5.7e-4,1.13e-3")
+    assert spec.warmstart_seeds == 3
+    assert sorted({point["optim.lr"] for point in spec.grid}) == [5.7e-4, 1.13e-3]
+    assert len(spec.grid) == 6 * 2
+    with pytest.raises(ConfigError, match="lrs="):
+        stability(axes="lr", lrs="2e-4,fast")
+    with pytest.raises(ConfigError, match="warm_starts=0"):
+        stability(axes="lr", warm_starts=0)
