@@ -247,8 +247,10 @@ def chosen_experiment(cfg: SweepConfig, experiments: Mapping[str, Callable[..., 
 
 
 def check_sweep_folder(sweep_dir: Path) -> None:
-    """A sweep directory is new, empty, or a sweep's (it holds sweep.json): a run directory or a folder of the
-    user's files is refused before anything is written into it."""
+    """A sweep directory is new, empty, a sweep's (it holds sweep.json), or holds only warmstart/: finished warm
+    starts copied in from another sweep of the same model and task (their folder names are their configs' keys, so
+    a sweep uses one only where it would have trained the same), to spend one SFT on several sweeps. A run
+    directory or a folder of the user's files is refused before anything is written into it."""
     from moe_rl.runs.claim import is_run_manifest
     from moe_rl.runs.runlog import read_json_object
 
@@ -263,7 +265,7 @@ def check_sweep_folder(sweep_dir: Path) -> None:
                                   f"{folder}: a sweep needs a folder of its own; choose a new or empty directory")
     if not sweep_dir.is_dir() or (sweep_dir / SWEEP_JSON).exists():
         return
-    names = sorted(p.name for p in sweep_dir.iterdir() if p.name not in (".lock", ".index.lock"))
+    names = sorted(p.name for p in sweep_dir.iterdir() if p.name not in (".lock", ".index.lock", WARMSTART))
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ConfigError(f"--sweep-dir {sweep_dir} is not empty and holds no {SWEEP_JSON} (it holds {shown}): it is "

@@ -110,6 +110,22 @@ def test_a_sweep_dir_of_the_users_files_is_refused(tmp_path):
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.md"]
 
 
+def test_a_sweep_dir_seeded_with_another_sweeps_finished_warm_start_uses_it_and_a_users_file_is_still_refused(
+        tmp_path):
+    """One SFT for several sweeps: a folder holding only warmstart/ (copied from a sweep of the same model and task)
+    is accepted and its finished warm start is used, not trained again; a file of the user's beside it is refused."""
+    code, _, err = cli("sweep", "smoke", "--sweep-dir", tmp_path / "first", "--only", "objective.name=grpo",
+                       "routing_mode=native")
+    assert code == 0, err
+    (key,) = [p.name for p in (tmp_path / "first" / "warmstart").iterdir()]
+    shutil.copytree(tmp_path / "first" / "warmstart", tmp_path / "second" / "warmstart")
+    code, out, err = cli("sweep", "smoke", "--sweep-dir", tmp_path / "second", "--dry-run")
+    assert code == 0, err
+    assert f"done     {key}" in out
+    (tmp_path / "second" / "notes.md").write_text("mine\n")
+    refused(cli("sweep", "smoke", "--sweep-dir", tmp_path / "second", "--dry-run"), "(it holds notes.md)")
+
+
 def test_an_interrupted_sweep_prints_a_command_that_works_with_a_space_in_its_folder(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
