@@ -67,3 +67,35 @@ def test_the_length_generalisation_finding_is_recomputed_from_its_per_run_table(
     sampled = again.set_index("decoding").loc["sampled"]
     assert (round(sampled["diff"], 3), round(sampled["ci_low"], 3), round(sampled["ci_high"], 3)) == (
         0.115, 0.103, 0.127)
+
+
+def _mean_and_ci(values, digits: int = 3) -> tuple[float, float, float]:
+    """Mean and 95% Student t interval over seeds, rounded to `digits` as the READMEs print them."""
+    from scipy import stats
+
+    x = pd.Series(values, dtype=float)
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / len(x) ** 0.5
+    return round(x.mean(), digits), round(x.mean() - half, digits), round(x.mean() + half, digits)
+
+
+def test_the_48_block_set_change_is_recomputed_from_its_per_run_table():
+    """The claims table's first row (results/README.md): at the GSPO paper's routing shape (48 MoE blocks, 128
+    experts, top-8), 6.0% [5.4, 6.7] of top-8 sets change per update at lr 1.5e-4, slot churn 0.76% [0.68, 0.84]."""
+    per_run = pd.read_csv(RESULTS / "churn_paper" / "report" / "tables" / "per_run_final.csv")
+    deep = per_run[(per_run["model.n_layers"] == 48) & (per_run["optim.lr"] == 1.5e-4)]
+    assert len(deep) == 3
+    assert _mean_and_ci(deep["set_change"] * 100, 2) == pytest.approx((6.03, 5.41, 6.65), abs=1e-9)
+    assert _mean_and_ci(deep["churn"] * 100) == pytest.approx((0.759, 0.68, 0.838), abs=1e-9)
+
+
+@pytest.mark.parametrize("tables", ["churn_repro/tables", "churn_paper/report/tables"])
+def test_the_churn_studies_gains_stay_below_the_warm_starts_greedy(tables):
+    """churn_repro and churn_paper call their gains sharpening, not learning: in every cell the held-out accuracy
+    at T = 1 after RL (mean over seeds) stays below the warm start's greedy accuracy on the same prompts (the
+    runs' step-0 `eval/greedy`, one number per architecture)."""
+    per_eval = pd.read_csv(RESULTS / tables / "per_run_eval.csv")
+    for group, runs in per_eval.groupby("group"):
+        start = runs[runs["step"] == 0]
+        final = runs[runs["step"] == runs["step"].max()]
+        assert start["eval/greedy"].nunique() == 1, group
+        assert final["eval/reward"].mean() < start["eval/greedy"].iloc[0] - 0.15, group
