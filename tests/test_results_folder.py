@@ -99,3 +99,20 @@ def test_the_churn_studies_gains_stay_below_the_warm_starts_greedy(tables):
         final = runs[runs["step"] == runs["step"].max()]
         assert start["eval/greedy"].nunique() == 1, group
         assert final["eval/reward"].mean() < start["eval/greedy"].iloc[0] - 0.15, group
+
+
+def test_the_dense_twin_moes_gains_are_recomputed_against_its_best_decoding():
+    """results/dense_twin, "Against the decoding baselines": the MoE's final held-out at T = 1 minus its warm start's
+    best decoding (T = 0.3 with EOS banned before 32 new tokens, 0.061 on held-out) beats it at lr 5e-5 only."""
+    from moe_rl.analysis.baseline import against_baseline, read_baseline
+
+    folder = RESULTS / "dense_twin"
+    baseline = read_baseline(folder / "baseline" / "min_new_tokens_0_32_40_48" / "evaluate.json")
+    assert (baseline["temperature"], round(baseline["heldout"], 3)) == (0.3, 0.061)
+    runs = pd.read_csv(folder / "tables" / "per_run.csv")
+    moe = runs[runs["architecture"].str.startswith("MoE")]
+    table = against_baseline(moe.rename(columns={"eval_final": "eval/reward"}).assign(group=moe["optim.lr"]),
+                             baseline).set_index("group")
+    assert table["n_runs"].eq(3).all()
+    assert (round(table.loc[5e-5, "diff"], 3), round(table.loc[5e-5, "ci_low"], 3)) == (0.040, 0.004)
+    assert table.index[table["beats_baseline"]].tolist() == [5e-5]
