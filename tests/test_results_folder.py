@@ -67,3 +67,103 @@ def test_the_length_generalisation_finding_is_recomputed_from_its_per_run_table(
     sampled = again.set_index("decoding").loc["sampled"]
     assert (round(sampled["diff"], 3), round(sampled["ci_low"], 3), round(sampled["ci_high"], 3)) == (
         0.115, 0.103, 0.127)
+
+
+def _mean_and_ci(values, digits: int = 3) -> tuple[float, float, float]:
+    """Mean and 95% Student t interval over seeds, rounded to `digits` as the READMEs print them."""
+    from scipy import stats
+
+    x = pd.Series(values, dtype=float)
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / len(x) ** 0.5
+    return round(x.mean(), digits), round(x.mean() - half, digits), round(x.mean() + half, digits)
+
+
+def test_the_48_block_set_change_is_recomputed_from_its_per_run_table():
+    """The claims table's first row (results/README.md): at the GSPO paper's routing shape (48 MoE blocks, 128
+    experts, top-8), 6.0% [5.4, 6.7] of top-8 sets change per update at lr 1.5e-4, slot churn 0.76% [0.68, 0.84]."""
+    per_run = pd.read_csv(RESULTS / "churn_paper" / "report" / "tables" / "per_run_final.csv")
+    deep = per_run[(per_run["model.n_layers"] == 48) & (per_run["optim.lr"] == 1.5e-4)]
+    assert len(deep) == 3
+    assert _mean_and_ci(deep["set_change"] * 100, 2) == pytest.approx((6.03, 5.41, 6.65), abs=1e-9)
+    assert _mean_and_ci(deep["churn"] * 100) == pytest.approx((0.759, 0.68, 0.838), abs=1e-9)
+
+
+@pytest.mark.parametrize("tables", ["churn_repro/tables", "churn_paper/report/tables"])
+def test_the_churn_studies_gains_stay_below_the_warm_starts_greedy(tables):
+    """churn_repro and churn_paper call their gains sharpening, not learning: in every cell the held-out accuracy
+    at T = 1 after RL (mean over seeds) stays below the warm start's greedy accuracy on the same prompts (the
+    runs' step-0 `eval/greedy`, one number per architecture)."""
+    per_eval = pd.read_csv(RESULTS / tables / "per_run_eval.csv")
+    for group, runs in per_eval.groupby("group"):
+        start = runs[runs["step"] == 0]
+        final = runs[runs["step"] == runs["step"].max()]
+        assert start["eval/greedy"].nunique() == 1, group
+        assert final["eval/reward"].mean() < start["eval/greedy"].iloc[0] - 0.15, group
+
+
+def test_the_dense_twin_moes_gains_are_recomputed_against_its_best_decoding():
+    """results/dense_twin, "Against the decoding baselines": the MoE's final held-out at T = 1 minus its warm start's
+    best decoding (T = 0.3 with EOS banned before 32 new tokens, 0.061 on held-out) beats it at lr 5e-5 only."""
+    from moe_rl.analysis.baseline import against_baseline, read_baseline
+
+    folder = RESULTS / "dense_twin"
+    baseline = read_baseline(folder / "baseline" / "min_new_tokens_0_32_40_48" / "evaluate.json")
+    assert (baseline["temperature"], round(baseline["heldout"], 3)) == (0.3, 0.061)
+    runs = pd.read_csv(folder / "tables" / "per_run.csv")
+    moe = runs[runs["architecture"].str.startswith("MoE")]
+    table = against_baseline(moe.rename(columns={"eval_final": "eval/reward"}).assign(group=moe["optim.lr"]),
+                             baseline).set_index("group")
+    assert table["n_runs"].eq(3).all()
+    assert (round(table.loc[5e-5, "diff"], 3), round(table.loc[5e-5, "ci_low"], 3)) == (0.040, 0.004)
+    assert table.index[table["beats_baseline"]].tolist() == [5e-5]
+
+
+def _best_decoding(folder: Path) -> dict:
+    """A committed `moe-rl evaluate` output as read_baseline reads it, with greedy taken at its best length control
+    (evaluate.csv's chosen held-out greedy row with the largest min_new_tokens; the unbanned one when none helps)."""
+    from moe_rl.analysis.baseline import read_baseline
+
+    base = read_baseline(folder / "evaluate.json")
+    rows = pd.read_csv(folder / "evaluate.csv")
+    greedy = rows[(rows["split"] == "heldout") & (rows["decoding"] == "greedy")].sort_values("min_new_tokens")
+    return dict(base, greedy=greedy["mean"].iloc[-1], greedy_se=greedy["se"].iloc[-1])
+
+
+def test_the_length_generalisation_gain_holds_against_length_control():
+    """results/length_generalisation, "Against length control too": the warm start rebuilt under AVX2 caps, best at
+    T = 0.3 with EOS banned before 40 new tokens (0.034), is beaten by +0.089 [0.071, 0.107] at T = 1 and by +0.164
+    [0.143, 0.185] greedy; its unbanned validation rows equal the committed baseline's (the same warm start)."""
+    from moe_rl.analysis.baseline import against_baseline
+
+    folder = RESULTS / "length_generalisation"
+    rebuilt = pd.read_csv(folder / "baseline" / "length_control" / "evaluate.csv")
+    unbanned = rebuilt[(rebuilt["split"] == "validation") & (rebuilt["decoding"] == "sampled")
+                       & (rebuilt["min_new_tokens"] == 0)]
+    committed = pd.read_csv(folder / "baseline" / "evaluate.csv")
+    assert unbanned["mean"].tolist() == committed[committed["split"] == "validation"]["mean"].tolist()
+    base = _best_decoding(folder / "baseline" / "length_control")
+    assert (base["temperature"], round(base["heldout"], 3), round(base["greedy"], 3)) == (0.3, 0.034, 0.034)
+    per_run = pd.read_csv(folder / "tables" / "per_run_final.csv").assign(group="all runs")
+    table = against_baseline(per_run, base).set_index("decoding")[["diff", "ci_low", "ci_high"]].round(3)
+    assert tuple(table.loc["sampled"]) == (0.089, 0.071, 0.107)
+    assert tuple(table.loc["greedy"]) == (0.164, 0.143, 0.185)
+
+
+def test_the_stability_lr_axis_against_its_best_decoding():
+    """results/stability, "Against the decoding baselines": the lr axis's runs (lr_1 .. lr_5, pooled as the map pools
+    them) against the warm start's best decoding with length control (0.034): the final held-out at T = 1 beats it
+    with a CI above 0 in 7 of 42 cells, all at lr <= 5e-5, and greedy beats its greedy in 9; no mean is above it
+    by more than 0.006 at lr >= 4e-4."""
+    from moe_rl.analysis.baseline import against_baseline
+    from moe_rl.analysis.stability import pooled_frame
+
+    frame, _ = pooled_frame([f"{RESULTS / 'stability'}@lr_{sitting}" for sitting in (1, 2, 3, 4, 5)])
+    frame = frame.assign(group=frame["method"] + " " + frame["optim.lr"].map("{:g}".format))
+    base = _best_decoding(RESULTS / "length_generalisation" / "baseline" / "length_control")
+    table = against_baseline(frame.drop(columns="eval/reward").rename(columns={"eval_final": "eval/reward"}), base)
+    lr = table["group"].str.split().str[-1].astype(float)
+    sampled, greedy = table["decoding"] == "sampled", table["decoding"] == "greedy"
+    assert sampled.sum() == 42
+    assert (table["beats_baseline"] & sampled).sum() == 7 and (lr[table["beats_baseline"] & sampled] <= 5e-5).all()
+    assert (table["beats_baseline"] & greedy).sum() == 9
+    assert (table.loc[sampled & (lr >= 4e-4), "diff"] <= 0.006).all()
