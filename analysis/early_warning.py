@@ -20,10 +20,10 @@ Definitions (fixed before any run was read; docs/analysis.md, "Early warning"):
   sqrt(se_0^2 + mean(se_i^2) / 3); or the run diverged. Not collapsed: judged and not declined. A run with fewer
   than three evaluations after the start is not judged and is left out.
 - collapse step: the first evaluation after step 0 below the decline line, start - 2 x floor (the line the mean of
-  the last three crossed, so every declined run has one); for a diverged run, the rollout step of its last line (the
-  update that diverged). An evaluation at step s measures the policy before step s's updates, so the collapse
-  happened in the updates of the steps since the previous evaluation: with evaluations every 5 steps the collapse
-  step, and every lead time, is known to within 5 rollout steps.
+  the last three crossed, so every declined run has one); for a diverged run, that or, if earlier or absent, the
+  rollout step of its last line (the update that diverged). An evaluation at step s measures the policy before
+  step s's updates, so the collapse happened in the updates of the steps since the previous evaluation: with
+  evaluations every 5 steps the collapse step, and every lead time, is known to within 5 rollout steps.
 - signal: a metric as logged per optimizer step (SIGNALS; rollout-level metrics repeat on each line of their step).
   The alarm at threshold T is the first rollout step t < K (K = --first-steps: the practitioner must stop early) at
   which some update logged a value >= T. Every candidate rises before a collapse, so only "above" alarms exist.
@@ -85,7 +85,8 @@ TABLE_COLUMNS = ["signal", "metric", "first_steps", "min_lead", "threshold", "fi
 def collapse_labels(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """One row per judged result run: run, seed, half, status, collapsed, collapse_step, start, floor (the module
     docstring's definitions). `runs` and `steps`: moe_rl.analysis.load's frames."""
-    evals = steps.dropna(subset=["eval/reward"])[["run", "step", "eval/reward", "eval/reward_se"]]
+    evals = steps.dropna(subset=["eval/reward"])
+    evals = evals[[c for c in ("run", "step", "eval/reward", "eval/reward_se") if c in evals]]
     changes = run_changes(evals).set_index("run")
     rows = []
     for info in runs.itertuples():
@@ -96,8 +97,9 @@ def collapse_labels(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         if not diverged and not math.isfinite(change["declined"]):
             continue  # fewer than three evaluations after the start: not judged
         collapsed = diverged or bool(change["declined"])
-        at = _last_step(steps, info.run) if diverged else \
-            _first_below(evals[evals["run"] == info.run], change["start"] - FLOOR_SIGMAS * change["floor"])
+        at = _first_below(evals[evals["run"] == info.run], change["start"] - FLOOR_SIGMAS * change["floor"])
+        if diverged:  # NaN (no line: too few evaluations) or after the divergence: the step that diverged
+            at = min(at, _last_step(steps, info.run)) if math.isfinite(at) else _last_step(steps, info.run)
         rows.append({"run": info.run, "seed": info.seed, "half": half_of(info.seed), "status": info.status,
                      "collapsed": collapsed, "collapse_step": at if collapsed else math.nan,
                      "start": change["start"], "floor": change["floor"]})

@@ -109,6 +109,18 @@ def test_labels_follow_the_decline_rule_and_the_collapse_step_is_the_first_evalu
     assert labels.loc[~labels["collapsed"], "collapse_step"].isna().all()
 
 
+def test_a_diverged_run_collapses_at_its_first_evaluation_below_the_line_if_that_came_first():
+    # x evaluated below its decline line from step 5 on and diverged on step 17; y diverged on step 17 with only
+    # its step-0 evaluation, so it has no decline line
+    evals = [0.5, 0.3, 0.1, 0.1]
+    runs = pd.DataFrame({"run": ["x", "y"], "seed": [0, 1], "status": ["diverged", "diverged"]})
+    steps = pd.DataFrame([{"run": run, "step": step, "eval/reward": evals[step // 5] if step % 5 == 0 and
+                           (run == "x" or step == 0) else math.nan, "eval/reward_se": SE}
+                          for run in ("x", "y") for step in range(18)])
+    labels = collapse_labels(runs, steps).set_index("run")
+    assert labels["collapsed"].all() and labels["collapse_step"].to_dict() == {"x": 5, "y": 17}
+
+
 def test_the_threshold_is_fitted_on_even_seeds_and_read_on_odd_ones(readings):
     row = readings[1].loc["set change"]
     assert row["threshold"] == pytest.approx(0.20)
