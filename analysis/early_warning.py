@@ -367,9 +367,12 @@ def summary_text(labels: pd.DataFrame, table: pd.DataFrame, cfg: EarlyWarningCon
              f"{int((labels['half'] == 'test').sum())} (test, odd seeds); alarms within the first {cfg.first_steps} "
              f"steps, at least {cfg.min_lead} before the collapse"]
     for r in table.itertuples():
+        if not math.isfinite(r.threshold):
+            lines.append(f"  {r.signal:<24} no threshold: no collapsed run in the fit half logged it")
+            continue
         lines.append(f"  {r.signal:<24} threshold {r.threshold:<10.4g} fit F1 {r.fit_f1:.2f}  test: "
                      f"precision {r.test_hits}/{r.test_alarms} [{r.precision_ci_low:.2f}, {r.precision_ci_high:.2f}]  "
                      f"recall {r.test_hits}/{r.test_collapsed} [{r.recall_ci_low:.2f}, {r.recall_ci_high:.2f}]  "
-                     f"lead {r.lead_median:g} steps")
+                     f"median lead {r.lead_median:g} steps")
     lines.append(verdict(table) + f" -> {cfg.out}")
     return "\n".join(lines)
