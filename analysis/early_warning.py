@@ -374,5 +374,10 @@ def summary_text(labels: pd.DataFrame, table: pd.DataFrame, cfg: EarlyWarningCon
                      f"precision {r.test_hits}/{r.test_alarms} [{r.precision_ci_low:.2f}, {r.precision_ci_high:.2f}]  "
                      f"recall {r.test_hits}/{r.test_collapsed} [{r.recall_ci_low:.2f}, {r.recall_ci_high:.2f}]  "
                      f"median lead {r.lead_median:g} steps")
+    test = labels[labels["half"] == "test"]
+    collapsed = int(test["collapsed"].sum())
+    if collapsed:  # the floor every signal must clear: a signal that never moves alarms on every run
+        lines.append(f"  (alarming on every test run: precision {collapsed}/{len(test)}, recall 1, F1 "
+                     f"{2 * collapsed / (len(test) + collapsed):.2f})")
     lines.append(verdict(table) + f" -> {cfg.out}")
     return "\n".join(lines)

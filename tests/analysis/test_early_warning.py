@@ -181,6 +181,7 @@ def test_the_command_writes_both_tables_and_the_figure_and_prints_the_verdict(sw
     assert main(["early-warning", str(sweep), "--out", str(out), "--first-steps", "5"]) == 0
     printed = capsys.readouterr().out
     assert "9 judged runs; collapsed 2/4 (fit, even seeds), 3/5 (test, odd seeds)" in printed
+    assert "(alarming on every test run: precision 3/5, recall 1, F1 0.75)" in printed
     assert printed.rstrip().endswith(f"no signal beats grad norm on the test half (grad norm F1 0.75) -> {out}")
     table = pd.read_csv(out / "early_warning.csv")
     assert table.set_index("signal").loc["set change", "threshold"] == pytest.approx(0.2)
