@@ -8,7 +8,10 @@ import json
 
 from conftest import cli
 
+from moe_rl.rl.run_config import LogConfig, TrainConfig
+from moe_rl.runs.runlog import config_to_dict
 from moe_rl.runs.warning import EarlyWarning, warning_line
+from moe_rl.sweep.plan import stable_config
 
 TINY = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
         "--model.n-experts", "4", "--model.top-k", "2", "--model.d-expert", "32", "--model.d-dense", "64"]
@@ -68,3 +71,10 @@ def test_the_watcher_fires_on_the_first_line_at_or_above_and_only_once():
     assert watcher.check(lines[2:]) is None  # once per run
     assert EarlyWarning("x", None).check(lines) is None  # off
     assert EarlyWarning("x", 0.3, fired=True).check(lines) is None  # warned before a resume
+
+
+def test_a_sweep_reads_a_grid_with_the_warning_on_as_the_same_grid():
+    """The warning changes no number, so like the W&B fields it is left out of the grid hash (moe_rl/sweep/plan.py):
+    a sweep re-run with --set log.warn_threshold=... continues its runs, and existing sweeps keep their hashes."""
+    on = TrainConfig(log=LogConfig(warn_threshold=0.02, warn_metric="grad_norm"))
+    assert stable_config(config_to_dict(on)) == stable_config(config_to_dict(TrainConfig()))
