@@ -38,8 +38,9 @@ Definitions (fixed before any run was read; docs/analysis.md, "Early warning"):
   peaks (the only values at which the counts change); on a tie the highest (the fewest alarms).
 
 A signal that rises with the learning rate separates collapsed runs from the rest whenever collapses concentrate at
-high learning rates, whether or not it says anything about a run at a given learning rate: read the table beside
-the learning rates of the runs it alarms on (early_warning_runs.csv carries `optim.lr`).
+high learning rates, whether or not it says anything about a run at a given learning rate: the table's "learning
+rate" row (the logged `lr` read as a signal) is that confound's own precision and recall, and
+early_warning_runs.csv carries each run's `optim.lr`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,14 @@ SIGNALS = {  # words -> the metric as logged (docs/metrics.md)
     "grad norm": "grad_norm",
     "routing share of log w": "split/routing_share",
     "routing part of log w": "split/routing_abs_mean",
+    # Not a signal but the confound: the logged lr reaches the run's optim.lr within the first steps (warmup: 10
+    # updates), so its row is how well the learning rate alone tells the runs that collapse; a signal that does no
+    # better carries nothing a practitioner did not know when choosing the learning rate.
+    "learning rate": "lr",
 }
 # Not a candidate: the router margin, which `moe-rl probe` measures but `moe-rl train` does not log.
 REFERENCE_SIGNAL = "grad norm"  # the issue's bar: a routing signal must beat it to be worth a stop rule
+CONFOUND = "learning rate"
 CONFIDENCE = 0.95
 TABLE_COLUMNS = ["signal", "metric", "first_steps", "min_lead", "threshold", "fit_runs", "fit_collapsed", "fit_alarms",
                  "fit_hits", "fit_f1", "test_runs", "test_collapsed", "test_alarms", "test_hits", "precision",
@@ -235,18 +241,23 @@ def early_warning_tables(metrics: pd.DataFrame, labels: pd.DataFrame, first_step
 
 
 def verdict(table: pd.DataFrame) -> str:
-    """One line: the signal of best F1 on the test half, and whether it beats grad norm there (or that none does)."""
+    """One line: the signal of best F1 on the test half, and whether it beats grad norm there (or that none does);
+    then the learning rate's own F1, the confound, where it was read."""
     tested = table.dropna(subset=["f1"])
+    confound = tested[tested["signal"] == CONFOUND]
+    tested = tested[tested["signal"] != CONFOUND]
     if tested.empty:
         return "no signal could be tested (no collapsed run in the fit half, or none in the test half)"
     best = tested.loc[tested["f1"].idxmax()]
     reference = tested[tested["signal"] == REFERENCE_SIGNAL]
     if reference.empty:
-        return f"best on the test half: {best['signal']} (F1 {best['f1']:.2f}); grad norm was not logged"
-    bar = float(reference["f1"].iloc[0])
-    if best["signal"] == REFERENCE_SIGNAL or best["f1"] <= bar:
-        return f"no signal beats grad norm on the test half (grad norm F1 {bar:.2f})"
-    return f"best on the test half: {best['signal']} (F1 {best['f1']:.2f}) against grad norm's {bar:.2f}"
+        line = f"best on the test half: {best['signal']} (F1 {best['f1']:.2f}); grad norm was not logged"
+    elif best["signal"] == REFERENCE_SIGNAL or best["f1"] <= float(reference["f1"].iloc[0]):
+        line = f"no signal beats grad norm on the test half (grad norm F1 {float(reference['f1'].iloc[0]):.2f})"
+    else:
+        line = (f"best on the test half: {best['signal']} (F1 {best['f1']:.2f}) against grad norm's "
+                f"{float(reference['f1'].iloc[0]):.2f}")
+    return line + (f"; the learning rate alone: F1 {float(confound['f1'].iloc[0]):.2f}" if len(confound) else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

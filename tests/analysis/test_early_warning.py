@@ -153,6 +153,9 @@ def test_grad_norm_is_the_bar_and_the_verdict_says_when_nothing_beats_it(reading
     assert verdict(table.reset_index()) == "no signal beats grad norm on the test half (grad norm F1 0.75)"
     better = table.reset_index().assign(f1=[0.9, 0.75])
     assert verdict(better) == "best on the test half: set change (F1 0.90) against grad norm's 0.75"
+    confound = pd.concat([better, pd.DataFrame({"signal": ["learning rate"], "f1": [0.95]})], ignore_index=True)
+    assert verdict(confound) == ("best on the test half: set change (F1 0.90) against grad norm's 0.75; the "
+                                 "learning rate alone: F1 0.95")  # the confound is never the best signal
 
 
 def test_a_tie_in_f1_goes_to_the_higher_threshold_and_no_collapse_gives_none():
