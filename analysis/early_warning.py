@@ -53,12 +53,13 @@ from typing import Annotated
 import numpy as np
 import pandas as pd
 import tyro
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 from scipy import stats
 
 from moe_rl.analysis.load import load_runs
+from moe_rl.analysis.panels import PERCENT, log_if_wide, percent_axis
 from moe_rl.analysis.stability import FLOOR_SIGMAS, RESULT_STATUSES, run_changes
-from moe_rl.analysis.style import OKABE_ITO, in_paper_style, new_figure, save
+from moe_rl.analysis.style import OKABE_ITO, NarrowLogLocator, in_paper_style, new_figure, save
 from moe_rl.errors import ConfigError, DataError
 
 SIGNALS = {  # words -> the metric as logged (docs/metrics.md)
@@ -292,12 +293,16 @@ def _signal_panel(ax, peaks: pd.DataFrame, labels: pd.DataFrame, row, origin: fl
     if math.isfinite(row.threshold):
         ax.axhline(row.threshold, color="0.3", linestyle="--", linewidth=0.8, label="fitted threshold")
     ax.axvline(0.0, color="0.6", linewidth=0.7)
-    if len(peaks) and (peaks["peak"] > 0).all() and peaks["peak"].max() > 10 * peaks["peak"].min():
-        ax.set_yscale("log")  # grad norm and the k3 KL are heavy-tailed
+    if (peaks["peak"] > 0).all() and log_if_wide(ax, "y", peaks["peak"]):  # grad norm, k3 KL: heavy-tailed
+        ax.yaxis.set_major_locator(NarrowLogLocator())
+    if row.metric in PERCENT:
+        percent_axis(ax.yaxis)
+    elif ax.yaxis.get_scale() == "log":
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.set_title(row.signal)
     ax.set_ylabel(f"{row.metric}\n(peak of the step's updates)")
-    ax.set_xlabel("rollout steps from the collapse evaluation")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("rollout steps from collapse")
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
 
 
 def _median_band(ax, peaks: pd.DataFrame, color: str, label: str) -> None:
