@@ -2,7 +2,7 @@
 collapses, reliably enough for a practitioner to stop on? Each signal's threshold is fitted on one half of the runs
 and its precision and recall are measured on the other half.
 
-    moe-rl early-warning sweeps/routers sweeps/stability --out /tmp/early_warning [--first-steps 5] [--min-lead 1]
+    moe-rl early-warning sweeps/routers sweeps/stability --out outputs/early_warning [--first-steps 5] [--min-lead 1]
 
 writes
     <out>/early_warning.csv        one row per signal: the threshold fitted on the fit half, then on the test half
