@@ -11,6 +11,7 @@ every field).
     moe-rl sweep --help        a named experiment (or an ad-hoc --grid) as a sweep of runs, locally or on SLURM
     moe-rl report --help       figures, tables and a summary of runs or a sweep (analysis/, imported lazily)
     moe-rl stability --help    the stability map of a stability sweep, or of report folders (analysis/stability.py)
+    moe-rl early-warning --help  which per-update signal warns of a held-out collapse (analysis/early_warning.py)
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def _stability():
     return StabilityConfig, stability_map
 
 
+def _early_warning():
+    from moe_rl.analysis.early_warning import EarlyWarningConfig, early_warning
+
+    return EarlyWarningConfig, early_warning
+
+
 def _report():
     from moe_rl.analysis.report import ReportConfig, report
 
@@ -104,13 +111,16 @@ COMMANDS: dict[str, Command] = {
     "report": Command("figures, CSV tables and a Markdown summary of a run, a folder of runs or a sweep", _report),
     "stability": Command("the stability map of a stability sweep or of report folders (STABILITY.md, tables)",
                          _stability),
+    "early-warning": Command("which per-update signal warns of a held-out collapse (fitted on even seeds, tested "
+                             "on odd)", _early_warning),
 }
 
 
 def usage() -> str:
     lines = ["usage: moe-rl <command> [--help] [options]   (moe-rl --version: the installed version)", "",
              "commands:"]
-    lines += [f"  {name:<9} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {cmd.summary}" for name, cmd in COMMANDS.items()]
     return "\n".join(lines)
 
 

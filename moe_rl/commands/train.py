@@ -41,6 +41,7 @@ from moe_rl.runs.interrupt import Interrupted, StopOnSignal
 from moe_rl.runs.progress import Progress, final_eval_line, no_rl_signal_note, rl_step_fields, say
 from moe_rl.runs.runlog import RunDir, resume_command
 from moe_rl.runs.trackers import check_trackers_installed, make_trackers
+from moe_rl.runs.warning import EarlyWarning, warning_line
 from moe_rl.tasks import build_task
 from moe_rl.tasks.digest import task_digest
 
@@ -171,6 +172,8 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
     step (moe_rl.runs.interrupt). `run` is None on ranks other than 0."""
     cfg = trainer.cfg
     saved = trainer.step if trainer.step > 0 else None  # the step of the checkpoint on disk
+    warning = EarlyWarning(cfg.log.warn_metric, cfg.log.warn_threshold,
+                           fired=run is not None and "early_warning" in run.manifest)
     try:
         while trainer.step < cfg.total_steps:
             lines: list[dict] = []
@@ -192,6 +195,8 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
                 if run is not None:
                     run.record_checkpoint(trainer.step)
             progress.step(trainer.step, rl_step_fields(lines), note=no_rl_signal_note(lines))
+            if run is not None:
+                warn(warning, lines, run)
             if trainer.step == cfg.total_steps and lines and lines[-1]["minibatch"] == -1 \
                     and "eval/reward" in lines[-1]:  # the evaluation after training, not a skipped step's line
                 progress.line(final_eval_line(lines[-1], trainer.step, cfg.log.eval_prompts))
@@ -202,3 +207,15 @@ def _loop(trainer: Trainer, write, run: RunDir | None, progress: Progress, stop:
     except Interrupted as err:  # a second signal: the step in flight is abandoned, the last checkpoint stands
         if run is not None:
             run.mark_interrupted(str(err), trainer.step, resumes_from=saved)
+
+
+def warn(warning: EarlyWarning, lines: list[dict], run: RunDir) -> None:
+    """The early warning (moe_rl.runs.warning) on one rollout step's lines: printed, even with --quiet, and kept in
+    the manifest; a metric name never logged is said once."""
+    unknown = warning.unknown_metric(lines)
+    if unknown:
+        say(unknown, err=True)
+    event = warning.check(lines)
+    if event is not None:
+        say(warning_line(event), err=True)
+        run.record_warning(event)

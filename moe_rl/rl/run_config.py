@@ -135,8 +135,15 @@ class LogConfig:
     trackers: tuple[TrackerName, ...] = ()
     """Optional mirrors of the metrics: 'tensorboard' and/or 'wandb' (needs `pip install 'moe-rl[tracking]'`)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    warn_threshold: float | None = None
+    """Early warning: print one line (and note it in manifest.json) the first time warn_metric reaches this value on
+    an optimizer step's line, e.g. a threshold fitted by `moe-rl early-warning`; None = off. Changes no number."""
+    warn_metric: str = "routing/update/set_change"
+    """The metric the early warning watches, as logged in metrics.jsonl (docs/metrics.md)."""
 
     def __post_init__(self) -> None:
+        if self.warn_threshold is not None and not self.warn_metric.strip():
+            raise ConfigError("log.warn_metric is empty: name the metric log.warn_threshold applies to")
         for name in ("samples_every", "samples_per_step", "eval_every"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("eval_prompts", self.eval_prompts)

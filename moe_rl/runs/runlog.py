@@ -57,12 +57,13 @@ TABLE_KINDS = ("routing", "samples")
 # Config fields that may differ between a run and its resume. An entry with a dot names one field
 # ("train.total_steps"); an entry without a dot names a field at any depth. Everything else must match, or the
 # resumed run would silently be a different experiment than the one its first half belongs to.
-# The step budget, the checkpoint and logging cadence (samples/ tables read no random state), quiet and the
-# mirrors change no result; out_dir: a run directory may be renamed or moved; resume and resume_from say how a run
-# was launched (they are never saved: LAUNCH_FIELDS).
+# The step budget, the checkpoint and logging cadence (samples/ tables read no random state), quiet, the early
+# warning and the mirrors change no result; out_dir: a run directory may be renamed or moved; resume and resume_from
+# say how a run was launched (they are never saved: LAUNCH_FIELDS).
 RESUMABLE_FIELDS = ("total_steps", "resume", "resume_from", "checkpoint_every", "keep_every", "log.samples_every",
-                    "log.samples_per_step", "trackers", "out_dir", "quiet", "print_every", "log.wandb.project",
-                    "log.wandb.entity", "log.wandb.group", "wandb.project", "wandb.entity", "wandb.group")
+                    "log.samples_per_step", "log.warn_threshold", "log.warn_metric", "trackers", "out_dir", "quiet",
+                    "print_every", "log.wandb.project", "log.wandb.entity", "log.wandb.group", "wandb.project",
+                    "wandb.entity", "wandb.group")
 # How a run was launched, not what it is: config.json holds their defaults (the resumes are in manifest.json).
 LAUNCH_FIELDS = {"resume": False, "resume_from": None}
 PATH_FIELDS = ("init_from", "out_dir", "path", "eval_path")  # compared as paths: ./x is x
@@ -366,6 +367,11 @@ class RunDir:
         if kept.is_file():
             records[kept.name] = record if kept.samefile(latest) else checkpoint_record(self.path, kept, step)
         self.manifest.setdefault("checkpoints", {}).update(records)
+        self._write_manifest()
+
+    def record_warning(self, event: dict) -> None:
+        """Keep the early warning's event (moe_rl.runs.warning) in the manifest, so a resume does not warn again."""
+        self.manifest["early_warning"] = event
         self._write_manifest()
 
     def _write_manifest(self) -> None:

@@ -22,8 +22,8 @@ from moe_rl.sweep.grid import format_value
 
 # Config fields the sweep sets itself (paths) or that change no result (threads, quiet): left out of the grid hash.
 VOLATILE_FIELDS = ("out_dir", "init_from", "resume", "threads", "quiet", "print_every", "wandb", "trackers")
-# Nested groups that change no result either: where W&B puts the runs.
-VOLATILE_GROUPS = (("log", "wandb"),)
+# Nested fields that change no result either: where W&B puts the runs, and the early warning (which only prints).
+VOLATILE_GROUPS = (("log", "wandb"), ("log", "warn_threshold"), ("log", "warn_metric"))
 
 
 @dataclass
