@@ -167,3 +167,51 @@ def test_the_stability_lr_axis_against_its_best_decoding():
     assert (table["beats_baseline"] & sampled).sum() == 7 and (lr[table["beats_baseline"] & sampled] <= 5e-5).all()
     assert (table["beats_baseline"] & greedy).sum() == 9
     assert (table.loc[sampled & (lr >= 4e-4), "diff"] <= 0.006).all()
+
+
+def test_the_second_dense_twin_sitting_is_recomputed_from_its_per_run_table():
+    """results/dense_twin's primary tests P2, P4 and P5 from the committed per-run rows (paired by RL seed), and the
+    repeat of the first sitting equal to the digit."""
+    from moe_rl.analysis.stats import paired_t
+
+    second = RESULTS / "dense_twin" / "tables" / "second"
+    runs = pd.read_csv(second / "per_run.csv")
+
+    def change(rows: pd.DataFrame) -> pd.Series:
+        return rows.set_index(["optim.lr", "seed"])["change"].sort_index()
+
+    routers = runs[runs["item"] == "routers"]
+    frontier = routers[routers["optim.lr"].isin([4e-4, 8e-4])]
+    p2 = paired_t(change(frontier[frontier["router_lr_scale"] == 0]), change(frontier[frontier["router_lr_scale"] == 1]))
+    fp8 = runs[runs["item"] == "fp8"]
+    native = change(fp8[(fp8["routing_mode"] == "native") & (fp8["correction"] == "none")])
+    p4 = paired_t(change(fp8[fp8["routing_mode"] == "R3"]), native)
+    matched = runs[runs["optim.lr"] == 4e-4]
+    gspo = change(matched[(matched["objective"] == "gspo")])
+    grpo = change(matched[(matched["objective"] == "grpo") & matched["item"].isin(["gspo matched", "routers"])
+                          & (matched["router_lr_scale"] == 1)]).groupby(level=[0, 1]).first()
+    p5 = paired_t(gspo, grpo.reindex(gspo.index))
+    primary = pd.read_csv(second / "primary.csv").set_index("test")
+    for test, diff, n in (("P2", p2, 4), ("P4", p4, 3), ("P5", p5, 5)):
+        assert diff.n_a == n
+        assert diff.mean_diff == pytest.approx(primary.loc[test, "estimate"], abs=1e-12)
+        assert diff.p == pytest.approx(primary.loc[test, "p"], abs=1e-9)
+    assert round(p5.mean_diff, 3) == 0.018 and p5.ci_low > 0 and primary.loc["P5", "p_holm"] > 0.05
+    assert pd.read_csv(second / "repeat_of_first_sitting.csv")["equal"].all()
+
+
+def test_the_early_warning_table_is_recomputed_and_churn_does_not_beat_the_learning_rate():
+    """results/early_warning: each signal's test-half precision and recall from the per-run rows, and the finding
+    (set change and token-any churn below the learning rate alone in F1)."""
+    folder = RESULTS / "early_warning"
+    table = pd.read_csv(folder / "early_warning.csv").set_index("signal")
+    runs = pd.read_csv(folder / "early_warning_runs.csv")
+    test_half = runs[runs["half"] == "test"]
+    for signal, rows in test_half.groupby("signal"):
+        alarms = int(rows["alarm_step"].notna().sum())
+        hits = int(rows["hit"].sum())
+        assert (alarms, hits, int(rows["collapsed"].sum())) == tuple(
+            table.loc[signal, ["test_alarms", "test_hits", "test_collapsed"]].astype(int))
+    assert table.loc["set change", "f1"] < table.loc["learning rate", "f1"]
+    assert table.loc["token-any churn", "f1"] < table.loc["learning rate", "f1"]
+    assert round(table.loc["learning rate", "f1"], 2) == 0.76 and round(table.loc["set change", "f1"], 2) == 0.67
