@@ -187,14 +187,13 @@ def t_interval(values: np.ndarray):
                         len(values), len(values))
 
 
-def critical_ratio_as_first_written(per_warm: pd.DataFrame) -> pd.DataFrame:
-    """P1 as the protocol first wrote it: twin / MoE critical lr per SFT seed (pairs by name). A pair with a floor
-    warm start has no ratio."""
+def with_ratio_as_first_written(per_warm: pd.DataFrame) -> pd.DataFrame:
+    """per_warm with P1 as the protocol first wrote it: twin / MoE critical lr of the same SFT seed (pairs by
+    name; NaN where either warm start sits at the floor), on both rows of the pair."""
     wide = per_warm.pivot(index="warm_start_seed", columns="architecture", values="critical_lr")
     learnable = per_warm.pivot(index="warm_start_seed", columns="architecture", values="learnable")
     ratio = (wide[TWIN] / wide[MOE]).where(learnable[TWIN].astype(bool) & learnable[MOE].astype(bool))
-    return pd.DataFrame({"warm_start_seed": wide.index, "moe_critical_lr": wide[MOE].to_numpy(),
-                         "twin_critical_lr": wide[TWIN].to_numpy(), "twin_over_moe": ratio.to_numpy()})
+    return per_warm.assign(twin_over_moe_same_sft_seed=per_warm["warm_start_seed"].map(ratio))
 
 
 def critical_ratio(per_warm: pd.DataFrame) -> dict:
@@ -468,16 +467,17 @@ def main(root: str) -> None:
     runs.sort_values("run").to_csv(OUT / "per_run.csv", index=False)
     warm = warm_start_runs(runs)
     per_warm = critical_per_warm_start(warm)
-    tables = {"critical_per_warm_start": per_warm,
-              "critical_hierarchical": hierarchical_critical(learnable_runs(warm, per_warm)),
-              "p1_as_first_written": critical_ratio_as_first_written(per_warm)}
+    tables = {"critical_per_warm_start": with_ratio_as_first_written(per_warm),
+              "critical_hierarchical": hierarchical_critical(learnable_runs(warm, per_warm))}
     tests = [critical_ratio(per_warm)]
     routers = router_runs(runs)
     if (routers["router_lr_scale"] == 1).any():
         split = split_by_lr(routers)
         tables.update(repeat_of_first_sitting=repeat_of_first_sitting(routers),
-                      router_cells=router_cells(routers), router_critical=router_critical(routers),
-                      churn_at_matched_kl=churn_at_matched_kl(routers), split=split)
+                      router_cells=router_cells(routers),
+                      routers_by_scale=router_critical(routers).merge(churn_at_matched_kl(routers),
+                                                                      on="router_lr_scale"),
+                      split=split)
         tests.append(frozen_vs_free(routers))
         save(figure_routers(routers), HERE, "routers")
         save(figure_split(split), HERE, "split")
