@@ -45,7 +45,9 @@ SWEEPS = {
     "gspo_matched/grpo": "gspo matched", "gspo_matched/gspo": "gspo matched",
     "gspo_matched/gspo_4e-4": "gspo matched",  # added post hoc (PROTOCOL.md, "no GSPO cell matched")
     "fp8/arms": "fp8", "fp8/tis_c": "fp8",
+    "frontier/ws0": "frontier", "frontier/ws1": "frontier", "frontier/ws3": "frontier",  # the third sitting
 }
+FRONTIER_LR = 8e-4
 LRS = (1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3)  # the second sitting's lr axis (the first sitting's upper five cells)
 FIRST_UPDATES = 20  # the step size is the mean update/kl over a run's first 20 updates (rollout steps 1-5)
 MARGIN = 0.03  # TOST margin on held-out change, fixed in the protocol
@@ -380,6 +382,32 @@ def gspo_matches(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# --- the third sitting: native vs R3 vs GSPO at the frontier over warm starts ------------------------------------
+
+
+def frontier(runs: pd.DataFrame) -> pd.DataFrame:
+    """At FRONTIER_LR on the MoE: R3 and GSPO minus native, paired by (warm start, RL seed); per warm start the
+    mean of its pairs, then over warm starts the mean with a t interval (warm starts the unit)."""
+    natives = warm_start_runs(runs)
+    natives = natives[(natives["architecture"] == MOE) & (natives["optim.lr"] == FRONTIER_LR)]
+    native = natives.set_index(["warm_start_seed", "seed"])["change"]
+    arms = runs[runs["item"] == "frontier"].assign(
+        method=lambda f: np.where(f["routing_mode"] == "R3", "GRPO+R3", "GSPO"))
+    rows = []
+    for method, cell in arms.groupby("method"):
+        paired = cell.set_index(["warm_start_seed", "seed"])["change"]
+        diffs = (paired - native.reindex(paired.index)).dropna()
+        per_warm = diffs.groupby(level=0).mean()
+        for warm, value in per_warm.items():
+            rows.append({"method": method, "warm_start_seed": warm, "n_pairs": int((diffs.index.get_level_values(0)
+                         == warm).sum()), "minus_native": value, "ci_low": math.nan, "ci_high": math.nan})
+        t = t_interval(per_warm.to_numpy(float))
+        rows.append({"method": method, "warm_start_seed": "mean over warm starts", "n_pairs": len(diffs),
+                     "minus_native": t.mean_diff, "ci_low": t.ci_low, "ci_high": t.ci_high,
+                     "native_change": float(native.reindex(paired.index).mean()), "change": float(paired.mean())})
+    return pd.DataFrame(rows)
+
+
 # --- the primary family --------------------------------------------------------------------------------------------
 
 
@@ -496,6 +524,8 @@ def main(root: str) -> None:
         tests.append(paired_test("P5", claim, gspo["change"],
                                  grpo.set_index("seed")["change"].reindex(gspo.index),
                                  f"held-out change, GSPO {best['gspo_lr']:g} minus GRPO 4e-4"))
+    if (runs["item"] == "frontier").any():
+        tables["frontier"] = frontier(runs)
     tables["primary"] = primary(tests)
     save(figure_warm_starts(warm), HERE, "warm_starts")
     for name, table in tables.items():
