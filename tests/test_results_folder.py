@@ -182,7 +182,8 @@ def test_the_second_dense_twin_sitting_is_recomputed_from_its_per_run_table():
 
     routers = runs[runs["item"] == "routers"]
     frontier = routers[routers["optim.lr"].isin([4e-4, 8e-4])]
-    p2 = paired_t(change(frontier[frontier["router_lr_scale"] == 0]), change(frontier[frontier["router_lr_scale"] == 1]))
+    frozen, free = (change(frontier[frontier["router_lr_scale"] == scale]) for scale in (0, 1))
+    p2 = paired_t(frozen, free)
     fp8 = runs[runs["item"] == "fp8"]
     native = change(fp8[(fp8["routing_mode"] == "native") & (fp8["correction"] == "none")])
     p4 = paired_t(change(fp8[fp8["routing_mode"] == "R3"]), native)
