@@ -403,7 +403,8 @@ def frontier(runs: pd.DataFrame) -> pd.DataFrame:
                          == warm).sum()), "minus_native": value, "ci_low": math.nan, "ci_high": math.nan})
         t = t_interval(per_warm.to_numpy(float))
         rows.append({"method": method, "warm_start_seed": "mean over warm starts", "n_pairs": len(diffs),
-                     "minus_native": t.mean_diff, "ci_low": t.ci_low, "ci_high": t.ci_high,
+                     "minus_native": t.mean_diff, "ci_low": t.ci_low, "ci_high": t.ci_high, "p": t.p,
+                     "tost_p": tost_p(t, MARGIN),
                      "native_change": float(native.reindex(paired.index).mean()), "change": float(paired.mean())})
     return pd.DataFrame(rows)
 
@@ -495,8 +496,9 @@ def main(root: str) -> None:
     runs.sort_values("run").to_csv(OUT / "per_run.csv", index=False)
     warm = warm_start_runs(runs)
     per_warm = critical_per_warm_start(warm)
-    tables = {"critical_per_warm_start": with_ratio_as_first_written(per_warm),
-              "critical_hierarchical": hierarchical_critical(learnable_runs(warm, per_warm))}
+    # One table: a row per warm start, then per architecture a row over its learnable warm starts (hierarchical).
+    pooled = hierarchical_critical(learnable_runs(warm, per_warm)).assign(warm_start_seed="learnable, pooled")
+    tables = {"critical_lr": pd.concat([with_ratio_as_first_written(per_warm), pooled], ignore_index=True)}
     tests = [critical_ratio(per_warm)]
     routers = router_runs(runs)
     if (routers["router_lr_scale"] == 1).any():
