@@ -22,6 +22,7 @@ from test_distributed import (
     _spawn,
     _torchrun,
     _train_on,
+    exit_without_teardown,
 )
 
 from moe_rl.errors import ConfigError
@@ -86,6 +87,7 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def test_one_fsdp2_update_over_two_ranks_equals_the_single_process_update(tmp_path, monkeypatch):
