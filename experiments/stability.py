@@ -50,6 +50,7 @@ terms=8 warm_start_terms=7`; 64 + 8 new tokens). That warm start solves 0.463 of
 temperature (no room above it), 0.104 of 8-term sums and none of 9-term sums (search log, items 6-7).
 
     moe-rl sweep stability --arg axes=lr n_layers=8 terms=8 warm_start_terms=7 --workers 2    # the deep arm
+    moe-rl sweep stability --arg axes=lr n_layers=8 terms=8 warm_start_terms=7 d_model=128    # the deep arm, wider
 GPU (`scale="gpu"`): the gpu regime with the same grid; not yet run.
 """
 
@@ -61,6 +62,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.experiments.correction import ICEPOP, TIS
 from moe_rl.experiments.correction import LABELS as CORRECTION_LABELS
 from moe_rl.experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
+from moe_rl.model import ModelConfig
 from moe_rl.sweep.grid import Experiment, product, union
 
 METHODS = {
@@ -83,7 +85,7 @@ AXES = ("both", "lr", "staleness")
 
 def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "both", methods: str = "all",
               n_layers: int = 0, terms: int = 0, warm_start_terms: int = 0, dense_twin: bool = False,
-              warm_starts: int = 1, lrs: str = "") -> Experiment:
+              warm_starts: int = 1, lrs: str = "", d_model: int = 0) -> Experiment:
     """The map's runs: `methods` ("all" or names of METHODS joined by commas) x the cells of `axes` x `seeds`.
     0 keeps the regime's value: `n_layers` its 4 MoE blocks, `terms` its RL problems' length (7 on cpu),
     `warm_start_terms` the longest sums the warm start is trained on (6 on cpu). `dense_twin`: the same map for the
@@ -92,7 +94,9 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     `methods=grpo,gspo,grpo+TIS,grpo+IcePop` is the useful set. `warm_starts`: warm starts per architecture (SFT
     seeds 0 .. warm_starts - 1); run seed s trains from warm start s mod warm_starts, so seeds nest within warm
     starts, the unit of replication (results/dense_twin/PROTOCOL.md). `lrs`: the lr axis's learning rates joined by
-    commas (empty: LRS), e.g. off-grid rates that match another method's step size."""
+    commas (empty: LRS), e.g. off-grid rates that match another method's step size. `d_model`: the residual width
+    (0: the regime's 64), with each expert's width and the head width scaled by the same factor, so the model is the
+    regime's shape made wider (issue "Science 6", item 2: the width axis)."""
     chosen = _methods(methods)
     if warm_starts < 1:
         raise ConfigError(f"warm_starts={warm_starts} must be at least 1")
@@ -105,6 +109,8 @@ def stability(scale: str = "cpu", seeds: int = 3, steps: int = 15, axes: str = "
     base, warmstart = regime.base, regime.warmstart
     if n_layers:
         base = replace(base, model=replace(base.model, n_layers=n_layers))
+    if d_model:
+        base = replace(base, model=wider(base.model, d_model))
     if dense_twin:
         base = replace(base, model=base.model.dense_twin())
     if terms:
@@ -131,6 +137,19 @@ def _lrs(lrs: str) -> tuple[float, ...]:
     if not values or min(values) <= 0:
         raise ConfigError(f"lrs={lrs!r} must be positive learning rates joined by commas, e.g. 2e-4,4e-4")
     return values
+
+
+def wider(model: ModelConfig, d_model: int) -> ModelConfig:
+    """`model` at residual width `d_model`: d_expert and d_dense scaled by d_model / model.d_model, the head count
+    kept (so each head widens too); depth, E and K unchanged."""
+    if d_model < model.n_heads or d_model % model.d_model and model.d_model % d_model:
+        raise ConfigError(f"d_model={d_model} must be a multiple or a divisor of the regime's {model.d_model} "
+                          f"(so d_expert scales exactly), at least n_heads={model.n_heads}")
+    d_expert = model.d_expert * d_model // model.d_model
+    if d_expert < 1 or d_model % model.n_heads:
+        raise ConfigError(f"d_model={d_model} gives d_expert {d_expert} or a head width that is not whole "
+                          f"(n_heads={model.n_heads})")
+    return replace(model, d_model=d_model, d_expert=d_expert, d_dense=model.d_dense * d_model // model.d_model)
 
 
 def _checked_terms(name: str, value: int, fewest: int) -> int:

@@ -211,3 +211,15 @@ def test_engine_plan_names_each_arm_and_builds_its_configs():
     tis = plan.runs[2].config
     assert (tis.rollout.engine, tis.correction.is_level, tis.correction.is_cap) == ("vllm", "token", 2.0)
     assert plan.runs[3].config.rollout.sampling.precision == "trainer"
+
+
+def test_the_stability_width_axis_widens_every_width_by_one_factor_and_refuses_a_ragged_one():
+    from moe_rl.experiments.stability import stability
+
+    narrow = stability(axes="lr", methods="grpo", seeds=1, n_layers=8).base.model
+    wide = stability(axes="lr", methods="grpo", seeds=1, n_layers=8, d_model=128).base.model
+    assert (wide.d_model, wide.d_expert, wide.d_dense) == (2 * narrow.d_model, 2 * narrow.d_expert, 2 * narrow.d_dense)
+    assert (wide.n_layers, wide.n_experts, wide.top_k, wide.n_heads) == (8, narrow.n_experts, narrow.top_k,
+                                                                         narrow.n_heads)
+    with pytest.raises(ConfigError, match="d_model=96"):
+        stability(axes="lr", d_model=96)
