@@ -3,6 +3,7 @@
 Model (fit per reading: slot churn and set change), by least squares over runs:
 
     log(churn) = a + b log(x) + c log(n_layers) + d log(n_experts) + e log(top_k) [+ f log(init_layers)]
+                 [+ w log(d_model)]
 
 x is the driver: the run's median per-update KL (`kl_median`, the default: churn is a response to how far the
 policy moves, whatever lr moved it) or the learning rate. Why a power law: over the swept range each reading
@@ -57,6 +58,9 @@ INIT_DEPTH = "model.init_depth"  # the depth whose 1/sqrt(2 L) residual init a m
 # equals the depth, and adds no rank, unless some runs held the init fixed (churn_repro fixed_init=true); then the
 # depth exponent is depth's at a fixed init and this one the init's at a fixed depth.
 INIT_LAYERS = "init_layers"
+# The law's width predictor, where runs carry it and it varies (results/depth_width): runs without the column, or all
+# of one width, fit the law without it, as before widths were swept.
+WIDTH = "model.d_model"
 # The GSPO paper's model (Qwen3-30B-A3B): 48 MoE layers, 128 experts, top-8.
 TARGET = {"model.n_layers": 48, "model.n_experts": 128, "model.top_k": 8}
 PAPER_CHURN = 0.10
@@ -111,18 +115,19 @@ def with_init_layers(per_run: pd.DataFrame) -> pd.DataFrame:
 
 def _usable(per_run: pd.DataFrame, reading: str, driver: str) -> pd.DataFrame:
     per_run = with_init_layers(per_run)
-    columns = [reading, driver, *ARCHITECTURE, INIT_LAYERS]
+    columns = [reading, driver, *ARCHITECTURE, INIT_LAYERS, *([WIDTH] if WIDTH in per_run else [])]
     values = per_run[columns].apply(pd.to_numeric, errors="coerce")
     return per_run[(values > 0).all(axis=1) & np.isfinite(values).all(axis=1)]
 
 
 def _design(frame: pd.DataFrame, driver: str) -> tuple[np.ndarray, list[str], list[str]]:
-    """Columns [1, log driver, log depth, log E, log K, log init_layers], keeping only those that add rank (in
-    that order)."""
+    """Columns [1, log driver, log depth, log E, log K, log init_layers, log d_model], keeping only those that add
+    rank (in that order)."""
     X = np.ones((len(frame), 1))
     kept, dropped = [], []
     init_held = bool((frame[INIT_LAYERS] != frame["model.n_layers"]).any())  # else the law has no init term at all
-    for name in (driver, *ARCHITECTURE, *([INIT_LAYERS] if init_held else [])):
+    width_swept = WIDTH in frame and frame[WIDTH].nunique() > 1  # else the law has no width term at all
+    for name in (driver, *ARCHITECTURE, *([INIT_LAYERS] if init_held else []), *([WIDTH] if width_swept else [])):
         column = np.log(frame[name].to_numpy(dtype=float))[:, None]
         candidate = np.hstack([X, column])
         if np.linalg.matrix_rank(candidate, tol=1e-8) > X.shape[1]:
@@ -314,9 +319,10 @@ def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str =
             for reading in readings}
     derived = "churn" in laws and "set_change" in laws
     rows = []
-    for keys, runs in with_init_layers(held_out).groupby([*ARCHITECTURE, "optim.lr"]):
+    shape = [*ARCHITECTURE, *([WIDTH] if WIDTH in held_out else [])]
+    for keys, runs in with_init_layers(held_out).groupby([*shape, "optim.lr"]):
         settings = {DRIVERS[driver]: float(runs[DRIVERS[driver]].median()),
-                    **dict(zip(ARCHITECTURE, map(float, keys[:-1]))), INIT_LAYERS: float(runs[INIT_LAYERS].iloc[0])}
+                    **dict(zip(shape, map(float, keys[:-1]))), INIT_LAYERS: float(runs[INIT_LAYERS].iloc[0])}
         for reading in (*readings, *(["set_change_from_churn"] if derived else [])):
             if reading == "set_change_from_churn":
                 (law, boots), k = laws["churn"], settings["model.top_k"]
@@ -329,7 +335,7 @@ def held_out_check(fit_runs: pd.DataFrame, held_out: pd.DataFrame, driver: str =
                 values = runs[reading]
             measured = summarize(values)
             low, high = percentile_interval(predicted)
-            rows.append({"reading": reading, **{k.split(".")[-1]: int(v) for k, v in zip(ARCHITECTURE, keys[:-1])},
+            rows.append({"reading": reading, **{k.split(".")[-1]: int(v) for k, v in zip(shape, keys[:-1])},
                          "optim.lr": keys[-1], "n_runs": measured["n"], "driver": settings[DRIVERS[driver]],
                          "measured": measured["mean"], "measured_ci_low": measured["ci_low"],
                          "measured_ci_high": measured["ci_high"], "predicted": point, "predicted_ci_low": low,

@@ -240,6 +240,19 @@ def test_scaling_fit_recovers_a_synthetic_power_law_with_honest_intervals():
         pytest.approx(0.1)
 
 
+def test_a_width_column_that_varies_adds_a_width_term_and_one_that_does_not_changes_nothing():
+    runs = _synthetic_runs(noise=0.0)
+    without = fit_power_law(runs)
+    assert fit_power_law(runs.assign(**{"model.d_model": 64})).coef == pytest.approx(without.coef, abs=1e-12)
+    wide = runs.assign(**{"model.d_model": 128, "churn": runs["churn"] * 2 ** -0.4, "run": runs["run"] + "w"})
+    law = fit_power_law(pd.concat([runs.assign(**{"model.d_model": 64}), wide], ignore_index=True))
+    assert law.predictors[-1] == "model.d_model" and law.coef[-1] == pytest.approx(-0.4, abs=1e-9)
+    held = wide.head(6).assign(**{"model.d_model": 256, "churn": wide["churn"].head(6) * 2 ** -0.4})
+    check = held_out_check(pd.concat([runs.assign(**{"model.d_model": 64}), wide], ignore_index=True), held,
+                           readings=("churn",))
+    assert (check["d_model"] == 256).all() and check["agrees"].all()  # a width beyond the fit, on the law
+
+
 def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
     runs = _synthetic_runs(noise=0.05)
     paper = runs[runs["model.n_layers"] == 8].head(6).assign(**{"model.n_layers": 48, "model.n_experts": 128,
