@@ -50,7 +50,10 @@ results/churn_repro/README.md, made by `make reproduce`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moe_rl.errors import ConfigError
+from moe_rl.experiments.common import wider
 from moe_rl.experiments.long_regime import regime_base, regime_warm_start
 from moe_rl.rl.run_config import SFTConfig, TrainConfig
 from moe_rl.sweep.grid import Experiment, Point, axis, product, union
@@ -110,7 +113,7 @@ def _architectures(layers: tuple[int, ...], moe: list[Point], full: bool) -> lis
 def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[float, ...] = (),
                 layers: tuple[int, ...] = (), experts: tuple[str, ...] = (), full: bool = False,
                 paper: bool = False, paper_lrs: tuple[float, ...] = (), fixed_init: bool = False,
-                k_cells: bool = False, warm_starts: int = 1) -> Experiment:
+                k_cells: bool = False, warm_starts: int = 1, d_model: int = 0) -> Experiment:
     """Update churn over lr x architecture x seeds; `experts` entries read "E/K" (e.g. 8/2,64/8), each at the same
     active expert width (see _moe). The architectures are the L-shaped grid of _architectures (every depth at the
     last E/K entry, every E/K entry at the first depth), or every depth x E/K with `full`.
@@ -121,13 +124,17 @@ def churn_repro(scale: str = "cpu", steps: int = 0, seeds: int = 3, lrs: tuple[f
     (`model.init_depth`), the arm that separates depth from the init that shrinks with it. `k_cells` adds, at the
     first depth, the cells K_CELLS[scale] that separate E from K at the same active width (E fixed while K moves,
     and K fixed while E moves). `warm_starts` > 1 gives each architecture that many warm starts (run seed s uses
-    warm start s mod warm_starts), so that the fit's intervals can resample warm starts."""
+    warm start s mod warm_starts), so that the fit's intervals can resample warm starts. `d_model` (0: the regime's
+    64) widens every cell by one factor: the residual stream, the heads, the dense width and the active expert width
+    (experiments.common.wider), so each (E, K) keeps its granularity at the new width."""
     if scale not in LRS:
         raise ConfigError(f"scale={scale!r}: use one of {', '.join(LRS)}")
     if seeds < 1:
         raise ConfigError(f"seeds={seeds}: need at least 1 (3 or more for a confidence interval)")
     pick = 1 if full else 0
     base, warm = regime(scale, steps or STEPS[scale])
+    if d_model:
+        base = replace(base, model=wider(base.model, d_model))
     active_width = base.model.top_k * base.model.d_expert
     moe = _moe(experts or EXPERTS[scale][pick], active_width)
     grid = product(axis("optim.lr", lrs or LRS[scale][pick]), _architectures(layers or LAYERS[scale][pick], moe, full))

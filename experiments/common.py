@@ -11,7 +11,9 @@ gpu: a deeper, wider model in the regime of the GSPO paper's churn claim (d_mode
 
 from __future__ import annotations
 
-from moe_rl.errors import check_choice
+from dataclasses import replace
+
+from moe_rl.errors import ConfigError, check_choice
 from moe_rl.model import ModelConfig
 from moe_rl.objectives import ObjectiveConfig
 from moe_rl.rl.rollout import SamplingConfig
@@ -75,3 +77,16 @@ def warm_start(scale: str) -> SFTConfig:
     return SFTConfig(total_steps=2000, batch_size=256, optim=SFTOptimConfig(lr=1e-3, warmup_steps=100),
                      log=SFTLogConfig(eval_every=500, eval_prompts=256),
                      device="cuda", model=model(scale), task=task(scale), sampling=sampling(scale))
+
+
+def wider(model: ModelConfig, d_model: int) -> ModelConfig:
+    """`model` at residual width `d_model`: d_expert and d_dense scaled by d_model / model.d_model, the head count
+    kept (so each head widens too); depth, E and K unchanged."""
+    if d_model < model.n_heads or d_model % model.d_model and model.d_model % d_model:
+        raise ConfigError(f"d_model={d_model} must be a multiple or a divisor of the regime's {model.d_model} "
+                          f"(so d_expert scales exactly), at least n_heads={model.n_heads}")
+    d_expert = model.d_expert * d_model // model.d_model
+    if d_expert < 1 or d_model % model.n_heads:
+        raise ConfigError(f"d_model={d_model} gives d_expert {d_expert} or a head width that is not whole "
+                          f"(n_heads={model.n_heads})")
+    return replace(model, d_model=d_model, d_expert=d_expert, d_dense=model.d_dense * d_model // model.d_model)

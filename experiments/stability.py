@@ -59,10 +59,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_rl.errors import ConfigError
+from moe_rl.experiments.common import wider
 from moe_rl.experiments.correction import ICEPOP, TIS
 from moe_rl.experiments.correction import LABELS as CORRECTION_LABELS
 from moe_rl.experiments.length_generalisation import MAX_NEW_TOKENS, TERMS, length_generalisation
-from moe_rl.model import ModelConfig
 from moe_rl.sweep.grid import Experiment, product, union
 
 METHODS = {
@@ -137,19 +137,6 @@ def _lrs(lrs: str) -> tuple[float, ...]:
     if not values or min(values) <= 0:
         raise ConfigError(f"lrs={lrs!r} must be positive learning rates joined by commas, e.g. 2e-4,4e-4")
     return values
-
-
-def wider(model: ModelConfig, d_model: int) -> ModelConfig:
-    """`model` at residual width `d_model`: d_expert and d_dense scaled by d_model / model.d_model, the head count
-    kept (so each head widens too); depth, E and K unchanged."""
-    if d_model < model.n_heads or d_model % model.d_model and model.d_model % d_model:
-        raise ConfigError(f"d_model={d_model} must be a multiple or a divisor of the regime's {model.d_model} "
-                          f"(so d_expert scales exactly), at least n_heads={model.n_heads}")
-    d_expert = model.d_expert * d_model // model.d_model
-    if d_expert < 1 or d_model % model.n_heads:
-        raise ConfigError(f"d_model={d_model} gives d_expert {d_expert} or a head width that is not whole "
-                          f"(n_heads={model.n_heads})")
-    return replace(model, d_model=d_model, d_expert=d_expert, d_dense=model.d_dense * d_model // model.d_model)
 
 
 def _checked_terms(name: str, value: int, fewest: int) -> int:

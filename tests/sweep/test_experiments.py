@@ -223,3 +223,12 @@ def test_the_stability_width_axis_widens_every_width_by_one_factor_and_refuses_a
                                                                          narrow.n_heads)
     with pytest.raises(ConfigError, match="d_model=96"):
         stability(axes="lr", d_model=96)
+
+
+def test_churn_repro_widens_every_cell_and_keeps_each_cells_granularity():
+    from moe_rl.experiments.churn_repro import churn_repro
+
+    spec = churn_repro(layers=(8,), experts=("64/8", "8/2"), seeds=1, d_model=128)
+    assert spec.base.model.d_model == 128 and spec.base.model.d_dense == 256
+    widths = {(p["model.n_experts"], p["model.top_k"]): p["model.d_expert"] for p in spec.grid}
+    assert widths == {(64, 8): 64, (8, 2): 256}  # active width K x d_expert = 512, twice the d_model-64 regime's
