@@ -33,14 +33,17 @@ from moe_rl.analysis.scaling import (
     warm_start_cluster,
 )
 from moe_rl.analysis.sittings import fold_sittings, sitting_table
-from moe_rl.analysis.stability import PER_RUN_TABLES
-from moe_rl.analysis.stats import welch
+from moe_rl.analysis.stability import PER_RUN_TABLES, run_changes
+from moe_rl.analysis.stats import critical_point, welch, zero_crossing
 from moe_rl.analysis.style import in_paper_style, new_figure, save
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent
 CHURN_LAW = RESULTS / "churn_law" / "report" / "tables" / "per_run_final.csv"
-WIDE = "long_d128"  # the sitting of the d_model 128 runs (PROTOCOL.md, addendum 2)
+# Each side of the width contrast: its sittings here (churn_law's committed cell has none) and its d_model.
+SIDES = {"d64 churn_law": ((), 64), "d64": (("long_d64_axis",), 64),
+         "d128": (("long_d128", "long_d128_axis", "long_d128_r3"), 128)}
+LAW_SIDE, WIDE_SIDE = "d64 churn_law", "d128"  # the law's runs and its held-out cells (PROTOCOL.md, addendum 2)
 CELL = {"model.n_layers": 8, "model.n_experts": 64, "model.top_k": 8}  # the cell both widths share
 PAPER_WIDTH = 2048  # Qwen3-30B-A3B's hidden size
 READINGS = ("churn", "set_change")
@@ -77,12 +80,22 @@ def _folded_sittings() -> list[str]:
 
 
 def width_runs() -> pd.DataFrame:
-    """The law's runs: churn_law's report runs (d_model 64, the 48-block arm included) and the d_model 128 runs, with
-    `model.d_model` and `width` (the label of the figure and the tables)."""
-    narrow = pd.read_csv(CHURN_LAW).assign(**{WIDTH: 64})
-    wide = sitting_table(HERE, "per_run_final", WIDE).assign(**{WIDTH: 128})
-    wide = wide.assign(**{key: value for key, value in CELL.items() if key not in wide})  # not swept there
-    frame = pd.concat([narrow, wide], ignore_index=True)
+    """One row per finished run: churn_law's report runs (every architecture, the 48-block arm included) and the
+    runs of each side's sittings, with `side`, `model.d_model`, `routing_mode` and the held-out `change` (mean of
+    the last three evaluations minus step 0, at T = 1: moe_rl.analysis.stability.run_changes)."""
+    law = pd.read_csv(CHURN_LAW)
+    law = law.merge(run_changes(pd.read_csv(CHURN_LAW.with_name("per_run_eval.csv")))[["run", "change"]], on="run")
+    frames = [law.assign(side=LAW_SIDE, routing_mode="native", **{WIDTH: 64})]
+    for side, (names, width) in SIDES.items():
+        for sitting in (n for n in names if n in _folded_sittings()):
+            final = sitting_table(HERE, "per_run_final", sitting)
+            config = sitting_table(HERE, "runs", sitting)[["run", "routing_mode"]]
+            changes = run_changes(sitting_table(HERE, "per_run_eval", sitting))[["run", "change"]]
+            final = final.drop(columns=[c for c in ("routing_mode",) if c in final]).merge(config, on="run")
+            final = final.merge(changes, on="run").assign(side=side, **{WIDTH: width})
+            final["run"] = sitting + "/" + final["run"]
+            frames.append(final.assign(**{key: value for key, value in CELL.items() if key not in final}))
+    frame = pd.concat(frames, ignore_index=True)
     frame["model.init_depth"] = frame["model.init_depth"].fillna(0)
     return frame[frame["status"] == "finished"].reset_index(drop=True)
 
@@ -95,44 +108,59 @@ def _in_cell(frame: pd.DataFrame) -> pd.Series:
 
 
 def cell_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per width and lr in the shared cell: runs, warm starts, KL per update, both readings, held-out gain (mean and
-    95% t CI over runs), and the KL ratio wide / narrow at each lr (Welch on log KL)."""
+    """Per width and lr in the shared cell: runs, warm starts, KL per update, both readings, held-out start and gain
+    change (mean and sd over runs); then per d64 side and lr the ratios d128 / d64 at the same lr of KL, set change
+    and slot churn, native GRPO (Welch on the logs, 95% CI)."""
     cell = frame[_in_cell(frame)]
     rows = []
-    for (width, lr), runs in cell.groupby([WIDTH, "optim.lr"]):
-        row = {"d_model": width, "optim.lr": lr, "n_runs": len(runs), "warm_starts": runs["init_from"].nunique()}
-        for column in ("kl_median", *READINGS, "token_any", "eval_start", "eval_gain"):
+    for (side, mode, lr), runs in cell.groupby(["side", "routing_mode", "optim.lr"]):
+        row = {"side": side, "routing_mode": mode, "optim.lr": lr, "n_runs": len(runs),
+               "warm_starts": runs["init_from"].nunique()}
+        for column in ("kl_median", *READINGS, "token_any", "eval_start", "change"):
             values = runs[column].to_numpy(float)
             row[column] = values.mean()
             row[f"{column}_sd"] = values.std(ddof=1) if len(values) > 1 else math.nan
         rows.append(row)
     table = pd.DataFrame(rows)
-    for lr, runs in cell.groupby("optim.lr"):
-        logs = {w: np.log(g["kl_median"].to_numpy(float)) for w, g in runs.groupby(WIDTH)}
-        if len(logs) == 2:
-            diff = welch(logs[128], logs[64])
-            table.loc[(table["optim.lr"] == lr) & (table["d_model"] == 128), ["kl_ratio", "kl_ratio_ci_low",
-                                                                             "kl_ratio_ci_high"]] = np.exp(
-                [diff.mean_diff, diff.ci_low, diff.ci_high])
-    return table
+    native = cell[cell["routing_mode"] == "native"]
+    ratios = []
+    for narrow in (s for s in SIDES if s != WIDE_SIDE):
+        for lr, runs in native.groupby("optim.lr"):
+            sides = {side: g for side, g in runs.groupby("side")}
+            if narrow not in sides or WIDE_SIDE not in sides:
+                continue
+            row = {"side": f"{WIDE_SIDE} / {narrow}", "routing_mode": "native", "optim.lr": lr}
+            for column in ("kl_median", "set_change", "churn"):
+                diff = welch(np.log(sides[WIDE_SIDE][column].to_numpy(float)),
+                             np.log(sides[narrow][column].to_numpy(float)))
+                row.update(dict(zip([f"{column}_ratio", f"{column}_ratio_ci_low", f"{column}_ratio_ci_high"],
+                                    np.exp([diff.mean_diff, diff.ci_low, diff.ci_high]))))
+            ratios.append(row)
+    return pd.concat([table, pd.DataFrame(ratios)], ignore_index=True)
 
 
 def matched_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per reading: in the shared cell, per width a line of log reading on log KL (one point per run), read at the
-    geometric mean of the two widths' median KLs; the ratio wide / narrow with a bootstrap over runs within each
-    width, its log2 (the width exponent of the two-point trend) and that trend carried to d_model 2048."""
-    cell = frame[_in_cell(frame)]
-    matched_kl = float(np.exp(np.mean([np.log(g["kl_median"].median()) for _, g in cell.groupby(WIDTH)])))
+    """Per d64 side and reading, native GRPO in the shared cell: per width a line of log reading on log KL (one point
+    per run), read at the geometric mean of the two widths' median KLs; the ratio d128 / d64 with a bootstrap over
+    runs within each width, its log2 (the width exponent of the two-point trend) and that trend carried to d_model
+    2048."""
+    cell = frame[_in_cell(frame) & (frame["routing_mode"] == "native")]
     rng = np.random.default_rng(RNG_SEED)
     rows = []
-    for reading in READINGS:
-        groups = {w: g for w, g in cell.groupby(WIDTH)}
+    for narrow, reading in ((n, r) for n in SIDES if n != WIDE_SIDE for r in READINGS):
+        groups = {64: cell[cell["side"] == narrow], 128: cell[cell["side"] == WIDE_SIDE]}
+        if min(len(g) for g in groups.values()) < 2:
+            continue
+        matched_kl = float(np.exp(np.mean([np.log(g["kl_median"].median()) for g in groups.values()])))
         at = {w: _line_at(g, reading, matched_kl) for w, g in groups.items()}
         boots = [_line_at(_draw(groups[128], rng), reading, matched_kl)
                  / _line_at(_draw(groups[64], rng), reading, matched_kl) for _ in range(N_BOOT)]
         low, high = percentile_interval(boots)
         ratio = at[128] / at[64]
-        rows.append({"reading": reading, "matched_kl": matched_kl, "at_d64": at[64], "at_d128": at[128],
+        rows.append({"d64_side": narrow, "reading": reading, "matched_kl": matched_kl,
+                     "d64_kl_range": f"{groups[64]['kl_median'].min():.2g}-{groups[64]['kl_median'].max():.2g}",
+                     "d128_kl_range": f"{groups[128]['kl_median'].min():.2g}-{groups[128]['kl_median'].max():.2g}",
+                     "at_d64": at[64], "at_d128": at[128],
                      "ratio": ratio, "ci_low": low, "ci_high": high, "width_exponent": math.log2(ratio),
                      "exponent_ci_low": math.log2(low), "exponent_ci_high": math.log2(high),
                      f"ratio_at_d{PAPER_WIDTH}": ratio ** math.log2(PAPER_WIDTH / 64),
@@ -153,6 +181,58 @@ def _line_at(runs: pd.DataFrame, reading: str, kl: float) -> float:
     return float(np.exp(intercept + slope * math.log(kl)))
 
 
+# --- the critical lr per side and method, and the ratio d128 / d64 (PROTOCOL.md, addendum 3) ------------------------
+
+
+def critical_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per side with an lr axis (three or more lrs) and routing mode: where the seed-mean held-out change crosses 0
+    (log-linear between grid points) with its 95% t-inversion CI over seeds; then per mode the ratio d128 / d64
+    (this machine's builds) with a bootstrap that draws seeds within each width, its log2 (the width exponent) and
+    the two-point trend carried to d_model 2048."""
+    cell = frame[_in_cell(frame)]
+    rows, axes = [], {}
+    for (side, mode), runs in cell.groupby(["side", "routing_mode"]):
+        if runs["optim.lr"].nunique() < 3:
+            continue
+        point = critical_point(runs, "optim.lr", "change")
+        axes[side, mode] = runs
+        rows.append({"side": side, "routing_mode": mode, "n_seeds": point.n_seeds,
+                     "lrs": ",".join(f"{v:g}" for v in sorted(runs["optim.lr"].unique())),
+                     "critical": point.value, "ci_low": point.low, "ci_high": point.high})
+    for mode in ("native", "R3"):
+        if ("d64", "native") in axes and (WIDE_SIDE, mode) in axes:
+            ratio, low, high, unbracketed = _critical_ratio(axes["d64", "native"], axes[WIDE_SIDE, mode])
+            narrow = next(r["critical"] for r in rows if r["side"] == "d64" and r["routing_mode"] == "native")
+            rows.append({"side": f"{WIDE_SIDE} {mode} / d64 native", "routing_mode": mode, "critical": ratio,
+                         "ci_low": low, "ci_high": high, "width_exponent": _log2(ratio),
+                         "exponent_ci_low": _log2(low), "exponent_ci_high": _log2(high),
+                         f"at_d{PAPER_WIDTH}": narrow * ratio ** math.log2(PAPER_WIDTH / 64)
+                         if 0 < ratio < math.inf else math.nan,
+                         "boot_share_unbracketed": unbracketed})
+    return pd.DataFrame(rows)
+
+
+def _critical_ratio(narrow: pd.DataFrame, wide: pd.DataFrame) -> tuple[float, float, float, float]:
+    """crit(wide) / crit(narrow), and a percentile bootstrap CI that draws whole seeds within each width (the widths'
+    seeds are independent); the last value is the share of resamples whose crossing lies off either grid."""
+    tables = [runs.pivot_table(index="seed", columns="optim.lr", values="change") for runs in (narrow, wide)]
+    point = _crossing(tables[1].mean()) / _crossing(tables[0].mean())
+    rng = np.random.default_rng(RNG_SEED)
+    ratios = np.array([_crossing(t1.mean()) / _crossing(t0.mean()) for t0, t1 in
+                       ((_draw(tables[0], rng), _draw(tables[1], rng)) for _ in range(N_BOOT))])
+    on_grid = np.isfinite(ratios) & (ratios > 0)
+    low, high = np.nanpercentile(ratios, [2.5, 97.5]) if on_grid.any() else (math.nan, math.nan)
+    return float(point), float(low), float(high), float(1 - on_grid.mean())
+
+
+def _crossing(mean_by_lr: pd.Series) -> float:
+    return zero_crossing(mean_by_lr.index.to_numpy(float), mean_by_lr.to_numpy(float))
+
+
+def _log2(x: float) -> float:
+    return math.log2(x) if 0 < x < math.inf else math.nan
+
+
 # --- the law: d64's law on the held-out d128 cells, then the law with width ------------------------------------------
 
 
@@ -162,7 +242,8 @@ def law_tables(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     d128 run, with a width term; its coefficients with bootstrap CIs over runs, and its prediction at the paper's
     shape (48 / 128 / 8) at d_model 64, 128 and 2048, at the d64 law's reference KL (churn_law's `driver_ref`, the
     median KL of its learning cells, 3.6e-4)."""
-    narrow, wide = frame[frame[WIDTH] == 64], frame[frame[WIDTH] == 128]
+    narrow = frame[frame["side"] == LAW_SIDE]
+    wide = frame[(frame["side"] == WIDE_SIDE) & (frame["routing_mode"] == "native")]  # the law is native GRPO's
     fit_narrow, paper = split_target(narrow.drop(columns=[WIDTH]))
     check = held_out_check(fit_narrow, wide, cluster=warm_start_cluster(fit_narrow))  # as churn_law resampled
     check["log_gap"] = np.log(check["measured"] / check["predicted"])
@@ -221,11 +302,11 @@ def fig_width(frame: pd.DataFrame, check: pd.DataFrame):
     """Set change and slot churn against KL per update in the shared cell, one colour per width; the d64 law's
     prediction for each d128 cell (black, its bootstrap 95% CI) beside what the cell measured."""
     fig, axes = new_figure(1, 2, row_height=2.6)
-    cell = frame[_in_cell(frame)]
-    colours = {64: "#4477aa", 128: "#ee6677"}
+    cell = frame[_in_cell(frame) & (frame["routing_mode"] == "native")]
+    colours = {"d64 churn_law": "#99bbdd", "d64": "#4477aa", "d128": "#ee6677"}
     for ax, reading, label in zip(axes[0], ("set_change", "churn"), ("set change per update", "slot churn")):
-        for width, runs in cell.groupby(WIDTH):
-            ax.scatter(runs["kl_median"], runs[reading], color=colours[width], s=14, label=f"d_model {width}")
+        for side, runs in cell.groupby("side"):
+            ax.scatter(runs["kl_median"], runs[reading], color=colours[side], s=14, label=side)
         predicted = check[check["reading"] == reading]
         ax.errorbar(predicted["driver"], predicted["predicted"],
                     yerr=[predicted["predicted"] - predicted["predicted_ci_low"],
@@ -249,7 +330,8 @@ def main() -> None:
         floors_table(args.floors).to_csv(out / "eight_term_step0.csv", index=False)
     frame = width_runs()
     check, law, extrapolation = law_tables(frame)
-    tables = {"width_cell": cell_table(frame), "width_matched_kl": matched_table(frame), "law_held_out": check,
+    tables = {"width_cell": cell_table(frame), "width_matched_kl": matched_table(frame),
+              "width_critical": critical_table(frame), "law_held_out": check,
               "law_with_width": law, "law_extrapolation": extrapolation}
     for name, table in tables.items():
         table.to_csv(out / f"{name}.csv", index=False)
