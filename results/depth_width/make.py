@@ -268,6 +268,28 @@ def law_tables(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     return check, pd.DataFrame(rows), pd.DataFrame(extrapolation)
 
 
+# --- the 48-block pilot (PROTOCOL.md, addendum 1) ------------------------------------------------------------------
+
+PILOT = "depth48_pilot"
+
+
+def pilot_table() -> pd.DataFrame:
+    """One row per run of the 48-block pilot: held-out at T = 1 and greedy at each evaluation, the change (as the
+    stability map reads it), both churn readings, tokens re-routed in any layer and KL per update."""
+    if PILOT not in _folded_sittings():
+        return pd.DataFrame()
+    final = sitting_table(HERE, "per_run_final", PILOT)
+    evals = sitting_table(HERE, "per_run_eval", PILOT)
+    table = final.merge(run_changes(evals), on="run")
+    curve = evals.pivot_table(index="run", columns="step", values="eval/reward")
+    curve.columns = [f"heldout_T1_step{int(c)}" for c in curve.columns]
+    greedy = evals.pivot_table(index="run", columns="step", values="eval/greedy")
+    greedy.columns = [f"heldout_greedy_step{int(c)}" for c in greedy.columns]
+    columns = ["run", "optim.lr", "seed", "status", "change", "greedy_change", "set_change", "churn", "token_any",
+               "kl_median"]
+    return table[[c for c in columns if c in table]].merge(curve, on="run").merge(greedy, on="run")
+
+
 # --- the 8-term arm's step 0 at d_model 128 (PROTOCOL.md, addendum 2) ------------------------------------------------
 
 
@@ -332,8 +354,10 @@ def main() -> None:
     check, law, extrapolation = law_tables(frame)
     tables = {"width_cell": cell_table(frame), "width_matched_kl": matched_table(frame),
               "width_critical": critical_table(frame), "law_held_out": check,
-              "law_with_width": law, "law_extrapolation": extrapolation}
+              "law_with_width": law, "law_extrapolation": extrapolation, "depth48_pilot": pilot_table()}
     for name, table in tables.items():
+        if table.empty:
+            continue
         table.to_csv(out / f"{name}.csv", index=False)
         print(f"\n{name}\n{table.to_string(index=False)}")
     save(fig_width(frame, check), HERE, "width", formats=("png",))
