@@ -324,21 +324,28 @@ def floors_table(sweeps: Path) -> pd.DataFrame:
 
 
 @in_paper_style
-def fig_width(frame: pd.DataFrame, check: pd.DataFrame):
-    """Set change and slot churn against KL per update in the shared cell, one colour per width; the d64 law's
-    prediction for each d128 cell (black, its bootstrap 95% CI) beside what the cell measured."""
-    fig, axes = new_figure(1, 2, row_height=2.6)
-    cell = frame[_in_cell(frame) & (frame["routing_mode"] == "native")]
+def fig_width(frame: pd.DataFrame):
+    """Three panels against the learning rate, in the shared cell (8 blocks, 64 experts, top-8): set change per
+    update, KL per update, and held-out change; one colour per side, native GRPO solid, R3 dashed; each run a
+    point, the line through the means over seeds (2-3 seeds: an interval would say little)."""
+    fig, axes = new_figure(1, 3, row_height=2.5)
+    cell = frame[_in_cell(frame)]
     colours = {"d64 churn_law": "#99bbdd", "d64": "#4477aa", "d128": "#ee6677"}
-    for ax, reading, label in zip(axes[0], ("set_change", "churn"), ("set change per update", "slot churn")):
-        for side, runs in cell.groupby("side"):
-            ax.scatter(runs["kl_median"], runs[reading], color=colours[side], s=14, label=side)
-        predicted = check[check["reading"] == reading]
-        ax.errorbar(predicted["driver"], predicted["predicted"],
-                    yerr=[predicted["predicted"] - predicted["predicted_ci_low"],
-                          predicted["predicted_ci_high"] - predicted["predicted"]],
-                    fmt="_", color="black", capsize=3, label="d64 law at the d128 cells")
-        ax.set(xscale="log", yscale="log", xlabel="KL per update (run median)", ylabel=label)
+    panels = (("set_change", "set change per update", "log"), ("kl_median", "KL per update (run median)", "log"),
+              ("change", "held-out change (T = 1)", "linear"))
+    lrs = sorted(cell["optim.lr"].unique())
+    for ax, (column, label, scale) in zip(axes[0], panels):
+        for (side, mode), runs in cell.groupby(["side", "routing_mode"]):
+            style = "-" if mode == "native" else "--"
+            means = runs.groupby("optim.lr")[column].mean()
+            ax.plot(means.index, means.to_numpy(), color=colours[side], linestyle=style,
+                    label=f"{side}{'' if mode == 'native' else ', R3'}")
+            ax.scatter(runs["optim.lr"], runs[column], color=colours[side], s=8,
+                       marker="o" if mode == "native" else "x")
+        ax.set(xscale="log", yscale=scale, xlabel="learning rate", ylabel=label)
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], minor=False)
+        ax.set_xticks([], minor=True)
+    axes[0][2].axhline(0, color="0.5", linewidth=0.6)
     axes[0][0].legend(fontsize=6)
     return fig
 
@@ -364,7 +371,7 @@ def main() -> None:
             continue
         table.to_csv(out / f"{name}.csv", index=False)
         print(f"\n{name}\n{table.to_string(index=False)}")
-    save(fig_width(frame, check), HERE, "width", formats=("png",))
+    save(fig_width(frame), HERE, "width", formats=("png",))
 
 
 if __name__ == "__main__":
