@@ -299,14 +299,15 @@ def pilot_table() -> pd.DataFrame:
 
 def floors_table(sweeps: Path) -> pd.DataFrame:
     """Per warm start of the 8-term arm's sweeps under `sweeps` (width/d128, width/d128_ws, width/d64_check): its
-    SFT seed, own-task reward at the end of SFT, and step 0 of each of its RL runs (held-out at T = 1 and greedy,
-    training reward)."""
+    SFT seed, own-task reward at the end of SFT, and per RL run its step 0 (held-out at T = 1 and greedy, training
+    reward), how far it ran, its last evaluation and its best training reward."""
     rows = []
     for sweep in ("d128", "d128_ws", "d64_check"):
         for run in sorted((sweeps / sweep / "runs").glob("*/")):
             config = json.loads((run / "config.json").read_text())
             lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-            step0 = next((line for line in lines if line.get("step") == 0 and "eval/reward" in line), None)
+            evals = [line for line in lines if "eval/reward" in line]
+            step0 = next((line for line in evals if line["step"] == 0), None)
             if step0 is None:
                 continue
             warm = Path(config["init_from"]).parents[1]
@@ -316,7 +317,12 @@ def floors_table(sweeps: Path) -> pd.DataFrame:
                          "sft_seed": sft_config["seed"], "sft_own_task_reward": sft[-1].get("eval/reward"),
                          "run": run.name, "heldout_T1_step0": step0["eval/reward"],
                          "heldout_greedy_step0": step0.get("eval/greedy"),
-                         "train_reward_step0": next(line["reward"] for line in lines if "reward" in line)})
+                         "train_reward_step0": next(line["reward"] for line in lines if "reward" in line),
+                         "rollout_steps": max(line["step"] for line in lines),
+                         "heldout_T1_last": evals[-1]["eval/reward"],
+                         "heldout_greedy_last": evals[-1].get("eval/greedy"),
+                         "last_eval_step": evals[-1]["step"],
+                         "train_reward_max": max(line["reward"] for line in lines if "reward" in line)})
     return pd.DataFrame(rows).drop_duplicates(subset=["sweep", "warm_start", "run"])
 
 
