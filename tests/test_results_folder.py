@@ -216,3 +216,46 @@ def test_the_early_warning_table_is_recomputed_and_churn_does_not_beat_the_learn
     assert table.loc["set change", "f1"] < table.loc["learning rate", "f1"]
     assert table.loc["token-any churn", "f1"] < table.loc["learning rate", "f1"]
     assert round(table.loc["learning rate", "f1"], 2) == 0.76 and round(table.loc["set change", "f1"], 2) == 0.67
+
+
+# results/depth_width/tables/width_critical.csv, to 5 decimals
+WIDTH_CRITICAL_D64, WIDTH_CRITICAL_D128 = 0.00023, 0.00051
+
+
+def test_the_width_finding_is_recomputed_from_its_per_run_tables():
+    """results/README.md finding 9 (results/depth_width) from the committed per-run rows, independently of make.py:
+    the same share of top-8 sets changes per update at the same lr at d_model 64 and 128 while the KL per update is
+    several times smaller at 128; the critical lr of native GRPO doubles; the 48-block pilot beats its warm start at
+    its best temperature."""
+    from moe_rl.analysis.sittings import sitting_table
+    from moe_rl.analysis.stability import run_changes
+    from moe_rl.analysis.stats import critical_point
+
+    study = RESULTS / "depth_width"
+
+    def native_runs(*sittings: str) -> pd.DataFrame:
+        frames = []
+        for sitting in sittings:
+            final = sitting_table(study, "per_run_final", sitting)
+            modes = sitting_table(study, "runs", sitting)[["run", "routing_mode"]]
+            changes = run_changes(sitting_table(study, "per_run_eval", sitting))[["run", "change"]]
+            final = final.drop(columns=[c for c in ("routing_mode",) if c in final])
+            frames.append(final.merge(modes, on="run").merge(changes, on="run"))
+        runs = pd.concat(frames, ignore_index=True)
+        return runs[(runs["routing_mode"] == "native") & (runs["status"] == "finished")]
+
+    narrow = native_runs("long_d64_axis")
+    wide = native_runs("long_d128", "long_d128_axis")
+    by_lr = [runs.groupby("optim.lr")[["set_change", "kl_median"]].mean() for runs in (narrow, wide)]
+    ratio = (by_lr[1] / by_lr[0]).loc[[5e-5, 1.5e-4, 4e-4]]
+    assert ratio["set_change"].between(0.85, 1.05).all(), ratio
+    assert (ratio["kl_median"] < 0.2).all(), ratio
+    crit = [critical_point(runs, "optim.lr", "change") for runs in (narrow, wide)]
+    assert (round(crit[0].value, 5), round(crit[1].value, 5)) == (WIDTH_CRITICAL_D64, WIDTH_CRITICAL_D128)
+    assert crit[0].ci_high < crit[1].ci_low  # the intervals do not overlap
+    pilot = sitting_table(study, "per_run_eval", "depth48_pilot")
+    final_heldout = pilot[pilot["step"] == 15].set_index("run")["eval/reward"]
+    baseline = pd.read_csv(study / "tables" / "depth48_warm_start_evaluate.csv")
+    best = baseline[(baseline["split"] == "heldout") & (baseline["decoding"] == "sampled")]["mean"].item()
+    assert best < 0.01 and (final_heldout > 5 * best).all()
+

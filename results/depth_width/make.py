@@ -42,7 +42,7 @@ RESULTS = HERE.parent
 CHURN_LAW = RESULTS / "churn_law" / "report" / "tables" / "per_run_final.csv"
 # Each side of the width contrast: its sittings here (churn_law's committed cell has none) and its d_model.
 SIDES = {"d64 churn_law": ((), 64), "d64": (("long_d64_axis",), 64),
-         "d128": (("long_d128", "long_d128_axis", "long_d128_r3"), 128)}
+         "d128": (("long_d128", "long_d128_axis", "long_d128_r3", "long_d128_r3b"), 128)}
 LAW_SIDE, WIDE_SIDE = "d64 churn_law", "d128"  # the law's runs and its held-out cells (PROTOCOL.md, addendum 2)
 CELL = {"model.n_layers": 8, "model.n_experts": 64, "model.top_k": 8}  # the cell both widths share
 PAPER_WIDTH = 2048  # Qwen3-30B-A3B's hidden size
