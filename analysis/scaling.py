@@ -6,7 +6,9 @@ Model (fit per reading: slot churn and set change), by least squares over runs:
                  [+ w log(d_model)]
 
 x is the driver: the run's median per-update KL (`kl_median`, the default: churn is a response to how far the
-policy moves, whatever lr moved it) or the learning rate. Why a power law: over the swept range each reading
+policy moves, whatever lr moved it) or the learning rate. Across widths the KL misleads: a twice-as-wide model
+churned as much at the same lr while moving 0.07-0.13x as far in KL (results/depth_width), so compare widths and
+warm starts at the same lr too. Why a power law: over the swept range each reading
 rises as a straight line on log-log axes in every variable (results/churn_repro), and a power law is the
 simplest form whose coefficients read as elasticities ("doubling the KL multiplies churn by 2^b"). Both readings
 are bounded by 1, so predictions are capped at 1; near that bound the law overstates (set change saturates as
