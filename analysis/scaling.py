@@ -103,6 +103,9 @@ class PowerLaw:
 def _setting(settings: dict[str, float], predictor: str) -> float:
     if predictor == INIT_LAYERS and INIT_LAYERS not in settings:
         return settings["model.n_layers"]  # a model with its own depth's init
+    if predictor not in settings:
+        raise ConfigError(f"the law has a {predictor} term (its runs varied it): give {predictor} with the driver and "
+                          f"the architecture, e.g. {{{predictor!r}: 2048}} for the width; got {sorted(settings)}")
     return settings[predictor]
 
 

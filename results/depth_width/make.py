@@ -1,6 +1,6 @@
 """Tables and figure of results/depth_width (PROTOCOL.md and its addenda), from the committed per-run tables:
 
-    python results/depth_width/make.py                                   # tables/*.csv and width.png
+    python results/depth_width/make.py                                   # width.png, and the tables in --out
     python results/depth_width/make.py --fold long_d128=REPORT ...       # first fold reports in as sittings
     python results/depth_width/make.py --floors sweeps/width             # the 8-term arm's step-0 table
 
@@ -8,14 +8,15 @@ A REPORT is what `moe-rl report <sweep> --out REPORT --last-k 5` wrote (churn_la
 (per_run_final, per_run_eval, runs) become the sitting of that name in tables/*.parquet (moe_rl.analysis.sittings).
 The d_model 64 side is results/churn_law's committed `report` (per_run_final.csv). Slot churn, set change and KL
 per update are the report's per-run values (moe_rl.analysis.cells.run_summary: means over the last 5 rollout steps,
-the KL a median over updates)."""
+the KL a median over updates). The summary tables (width_cell, width_matched_kl, width_critical, law_held_out,
+law_with_width, law_extrapolation, depth48_pilot) are derived, so they go to `--out` (default outputs/depth_width,
+not committed) and to the screen; results/ keeps the per-run tables they come from."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from moe_rl.analysis.scaling import (
     split_target,
     warm_start_cluster,
 )
-from moe_rl.analysis.sittings import fold_sittings, sitting_table
+from moe_rl.analysis.sittings import fold_sittings, sitting_table, sittings
 from moe_rl.analysis.stability import PER_RUN_TABLES, run_changes
 from moe_rl.analysis.stats import critical_point, welch, zero_crossing
 from moe_rl.analysis.style import in_paper_style, new_figure, save
@@ -68,14 +69,21 @@ def fold(reports: dict[str, Path]) -> None:
             folders[sitting] = Path(tmp) / sitting
             folders[sitting].mkdir()
             for table in PER_RUN_TABLES:
-                shutil.copy(report / "tables" / f"{table}.csv", folders[sitting] / f"{table}.csv")
+                frame = pd.read_csv(report / "tables" / f"{table}.csv", dtype=str, keep_default_na=False)
+                frame.to_csv(folders[sitting] / f"{table}.csv", index=False)
+        for folder in folders.values():  # run and warm-start paths from the repository root, not this machine's
+            runs = pd.read_csv(folder / "runs.csv", dtype=str, keep_default_na=False)
+            runs.apply(_from_sweeps).to_csv(folder / "runs.csv", index=False)
         for path in fold_sittings(folders, HERE / "tables"):
             print(f"folded {', '.join(folders)} -> {path.relative_to(RESULTS.parent)}")
 
 
-def _folded_sittings() -> list[str]:
-    from moe_rl.analysis.sittings import sittings
+def _from_sweeps(column: pd.Series) -> pd.Series:
+    """A path such as ../../work/main/sweeps/width/... as sweeps/width/...; other values unchanged."""
+    return column.str.replace(r"^[^,]*?(?=sweeps/)", "", regex=True)
 
+
+def _folded_sittings() -> list[str]:
     return sittings(HERE, "runs") if (HERE / "tables" / "runs.parquet").is_file() else []
 
 
@@ -359,14 +367,17 @@ def fig_width(frame: pd.DataFrame):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fold", nargs="*", default=[], metavar="SITTING=REPORT",
-                        help="fold report folders in as sittings (e.g. long_d128=/tmp/report)")
+                        help="fold report folders in as sittings (e.g. long_d128=outputs/long_d128)")
     parser.add_argument("--floors", type=Path, help="the sweeps folder holding width/d128, d128_ws, d64_check")
+    parser.add_argument("--out", type=Path, default=RESULTS.parent / "outputs" / "depth_width",
+                        help="where the derived summary tables go")
     args = parser.parse_args()
-    out = HERE / "tables"
     if args.fold:
         fold({name: Path(path) for name, path in (item.split("=", 1) for item in args.fold)})
     if args.floors:
-        floors_table(args.floors).to_csv(out / "eight_term_step0.csv", index=False)
+        floors_table(args.floors).to_csv(HERE / "tables" / "eight_term_step0.csv", index=False)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     frame = width_runs()
     check, law, extrapolation = law_tables(frame)
     tables = {"width_cell": cell_table(frame), "width_matched_kl": matched_table(frame),

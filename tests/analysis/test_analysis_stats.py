@@ -251,6 +251,8 @@ def test_a_width_column_that_varies_adds_a_width_term_and_one_that_does_not_chan
     check = held_out_check(pd.concat([runs.assign(**{"model.d_model": 64}), wide], ignore_index=True), held,
                            readings=("churn",))
     assert (check["d_model"] == 256).all() and check["agrees"].all()  # a width beyond the fit, on the law
+    with pytest.raises(ConfigError, match="model.d_model"):  # a prediction that forgets the width is refused
+        law.predict({"kl_median": 1e-3, "model.n_layers": 4, "model.n_experts": 64, "model.top_k": 8})
 
 
 def test_the_paper_shaped_arm_is_held_out_and_checked_against_the_prediction():
