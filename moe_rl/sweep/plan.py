@@ -60,8 +60,10 @@ class SweepPlan:
 
     def selected(self, only: Mapping[str, str]) -> set[str] | None:
         """Names of the runs whose point takes, for every key of `only`, one of its comma-separated values (numbers
-        compare as numbers: 2e-4 is 0.0002); None when `only` is empty (every run). A key the grid does not sweep,
-        or a value it never takes, is refused by name, so a typo does not silently select nothing."""
+        compare as numbers: 2e-4 is 0.0002); None when `only` is empty (every run). A field that only some cells set
+        (stability's `objective.name`, set by its gspo cells alone) matches the other runs by the value their config
+        holds, so `objective.name=grpo` selects them. A key the grid does not sweep, or a value no run takes, is
+        refused by name, so a typo does not silently select nothing."""
         if not only:
             return None
         swept = self.swept()
@@ -69,14 +71,15 @@ class SweepPlan:
         for key, text in only.items():
             if key not in swept:
                 raise ConfigError(f"--only {key}: not a swept field; swept: {', '.join(swept)}")
+            taken = _distinct(run_value(run, key) for run in self.runs)
             wanted = [v.strip() for v in text.split(",") if v.strip()]
-            unknown = [v for v in wanted if not any(_same_value(v, taken) for taken in swept[key])]
+            unknown = [v for v in wanted if not any(_same_value(v, value) for value in taken)]
             if unknown or not wanted:
-                raise ConfigError(f"--only {key}={text}: the grid's values are "
-                                  f"{', '.join(format_value(v) for v in swept[key])}")
+                raise ConfigError(f"--only {key}={text}: the runs' values are "
+                                  f"{', '.join(format_value(v) for v in taken)}")
             chosen[key] = wanted
         return {run.name for run in self.runs
-                if all(any(_same_value(v, run.point.get(key)) for v in wanted) for key, wanted in chosen.items())}
+                if all(any(_same_value(v, run_value(run, key)) for v in wanted) for key, wanted in chosen.items())}
 
     def command(self) -> str:
         """The `moe-rl sweep` command line that makes this plan again."""
@@ -173,3 +176,22 @@ def _same_value(text: str, value: Any) -> bool:
         return math.isclose(float(text), float(value), rel_tol=1e-9, abs_tol=0.0)
     except ValueError:
         return False
+
+
+def run_value(run: PlannedRun, key: str) -> Any:
+    """The value of the dotted config field `key` in `run`: its grid point's where the grid sets it, else its
+    config's."""
+    if key in run.point:
+        return run.point[key]
+    value: Any = run.config
+    for part in key.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _distinct(values) -> list:
+    out: list = []
+    for value in values:
+        if value not in out:
+            out.append(value)
+    return out

@@ -338,6 +338,17 @@ def test_a_failing_run_does_not_stop_the_others_and_a_rerun_retries_only_it(tmp_
     assert len(metric_lines(run_dirs[2])) == 2 * 4
 
 
+def test_only_matches_a_field_some_cells_leave_unset_by_the_value_their_config_holds(tmp_path):
+    grid = product(axis("optim.lr", (1e-3, 2e-4)), [{}, {"objective.name": "gspo"}])  # as stability's methods
+    plan = plan_sweep(experiment(grid), tmp_path / "s")
+    grpo = plan.selected({"objective.name": "grpo", "optim.lr": "2e-4"})
+    assert grpo == {r.name for r in plan.runs if r.point == {"optim.lr": 2e-4}}
+    assert len(grpo) == 1 and plan.selected({"objective.name": "gspo"}) == {r.name for r in plan.runs
+                                                                          if "objective.name" in r.point}
+    with pytest.raises(ConfigError, match="the runs' values are grpo, gspo"):
+        plan.selected({"objective.name": "ppo"})
+
+
 def test_only_selects_runs_by_their_swept_values_and_leaves_the_others_for_later(tmp_path, capsys):
     grid = product(axis("optim.lr", (1e-3, 2e-4)), [{"seed": 0}, {"seed": 1}])
     plan = plan_sweep(experiment(grid), tmp_path / "s")
@@ -345,7 +356,7 @@ def test_only_selects_runs_by_their_swept_values_and_leaves_the_others_for_later
     assert plan.selected({}) is None
     assert plan.selected({"optim.lr": "2e-4"}) == {n for n in names if "lr=2e-4" in n}  # 2e-4 is 0.0002
     assert plan.selected({"optim.lr": "1e-3,2e-4", "seed": "1"}) == {n for n in names if n.endswith("seed=1")}
-    with pytest.raises(ConfigError, match="--only optim.lr=3e-4: the grid's values are 1e-3, 2e-4"):
+    with pytest.raises(ConfigError, match="--only optim.lr=3e-4: the runs' values are 1e-3, 2e-4"):
         plan.selected({"optim.lr": "3e-4"})
     with pytest.raises(ConfigError, match="--only lr: not a swept field; swept: optim.lr, seed"):
         plan.selected({"lr": "1e-3"})
