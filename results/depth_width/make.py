@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from moe_rl.analysis.scaling import (
     TARGET,
@@ -34,8 +35,8 @@ from moe_rl.analysis.scaling import (
     warm_start_cluster,
 )
 from moe_rl.analysis.sittings import fold_sittings, sitting_table, sittings
-from moe_rl.analysis.stability import PER_RUN_TABLES, run_changes
-from moe_rl.analysis.stats import critical_point, welch, zero_crossing
+from moe_rl.analysis.stability import PER_RUN_TABLES, method_name, run_changes
+from moe_rl.analysis.stats import critical_point, mdd_paired, paired_t, tost_p, welch, zero_crossing
 from moe_rl.analysis.style import in_paper_style, new_figure, save
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +49,12 @@ LAW_SIDE, WIDE_SIDE = "d64 churn_law", "d128"  # the law's runs and its held-out
 CELL = {"model.n_layers": 8, "model.n_experts": 64, "model.top_k": 8}  # the cell both widths share
 PAPER_WIDTH = 2048  # Qwen3-30B-A3B's hidden size
 READINGS = ("churn", "set_change")
+# The 48-block sittings (the pilot's runs are native seed 0 at 1e-4 and 2e-4), their methods' labels, and the
+# equivalence margin on held-out fixed in addendum 5 (dense_twin's).
+DEPTH48 = ("depth48_pilot", "depth48_axis")
+DEPTH48_METHODS = {"grpo native": "GRPO", "grpo R2": "GRPO + R2", "grpo R3": "GRPO + R3", "gspo native": "GSPO"}
+METHOD_FIELDS = ("routing_mode", "objective.name")
+RESCUE_MARGIN = 0.03
 N_BOOT = 2000
 RNG_SEED = 0
 
@@ -302,6 +309,99 @@ def pilot_table() -> pd.DataFrame:
     return table[[c for c in columns if c in table]].merge(curve, on="run").merge(greedy, on="run")
 
 
+# --- 48 blocks: the lr axis of four methods (PROTOCOL.md, addendum 5) ----------------------------------------------
+
+
+def best_temperature() -> float:
+    """The 48-block warm start's held-out reward at T = 1's rival: its best temperature, chosen on validation
+    (`moe-rl evaluate`, tables/depth48_warm_start_evaluate.csv)."""
+    table = pd.read_csv(HERE / "tables" / "depth48_warm_start_evaluate.csv")
+    chosen = table[(table["split"] == "heldout") & (table["decoding"] == "sampled") & table["chosen"]]
+    return float(chosen["mean"].iloc[0])
+
+
+def depth48_runs() -> pd.DataFrame:
+    """One row per 48-block run with a result (the pilot's two count as native seed 0 at 1e-4 and 2e-4): method,
+    lr, seed, `heldout` (mean of the last three evaluations at T = 1), its `gain` over the warm start at its best
+    temperature, `failed` (gain <= 0: addendum 5's endpoint), the map's `change` (minus step 0), both churn
+    readings, tokens re-routed somewhere and KL per update. A diverged run solves nothing: held-out 0."""
+    frames = []
+    for sitting in (s for s in DEPTH48 if s in _folded_sittings()):
+        final = sitting_table(HERE, "per_run_final", sitting)
+        config = sitting_table(HERE, "runs", sitting)[["run", *METHOD_FIELDS]]
+        changes = run_changes(sitting_table(HERE, "per_run_eval", sitting))[["run", "start", "change"]]
+        frame = final.drop(columns=[c for c in METHOD_FIELDS if c in final]).merge(config, on="run")
+        frame = frame.merge(changes, on="run", how="left")
+        frame["method"] = [DEPTH48_METHODS[method_name(row)] for _, row in frame.iterrows()]
+        frames.append(frame.assign(run=sitting + "/" + frame["run"]))
+    if not frames:
+        return pd.DataFrame()
+    frame = pd.concat(frames, ignore_index=True)
+    frame = frame[frame["status"].isin(("finished", "diverged"))].copy()
+    frame["heldout"] = np.where(frame["status"] == "diverged", 0.0, frame["start"] + frame["change"])
+    frame["change"] = frame["heldout"] - frame["start"]
+    frame["gain"] = frame["heldout"] - best_temperature()
+    frame["failed"] = frame["gain"] <= 0
+    columns = ["run", "method", "optim.lr", "seed", "status", "start", "heldout", "gain", "failed", "change",
+               "set_change", "churn", "token_any", "kl_median"]
+    return frame[columns].sort_values(["method", "optim.lr", "seed"]).reset_index(drop=True)
+
+
+def depth48_cells(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per method and lr: seeds, failed seeds, held-out and its gain (mean, 95% t CI over seeds), the map's change,
+    and the means of both churn readings, tokens re-routed and KL per update."""
+    rows = []
+    for (method, lr), cell in runs.groupby(["method", "optim.lr"]):
+        gain = mean_ci(cell["gain"].to_numpy(float))
+        rows.append({"method": method, "optim.lr": lr, "n_seeds": len(cell), "n_failed": int(cell["failed"].sum()),
+                     "heldout": cell["heldout"].mean(), "gain": gain[0], "gain_ci_low": gain[1],
+                     "gain_ci_high": gain[2], "change": cell["change"].mean(),
+                     **{column: cell[column].mean() for column in ("set_change", "churn", "token_any", "kl_median")}})
+    return pd.DataFrame(rows)
+
+
+def depth48_critical(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per method with two or more lrs: where its seed-mean gain over the best temperature crosses 0 (log-linear
+    between grid points), with the 95% t-inversion CI over seeds (an edge of the grid reads -inf / inf)."""
+    rows = []
+    for method, axis in runs.groupby("method"):
+        if axis["optim.lr"].nunique() < 2:
+            continue
+        point = critical_point(axis, "optim.lr", "gain")
+        rows.append({"method": method, "lrs": ",".join(f"{v:g}" for v in sorted(axis["optim.lr"].unique())),
+                     "n_seeds": point.n_seeds, "critical": point.value, "ci_low": point.ci_low,
+                     "ci_high": point.ci_high})
+    return pd.DataFrame(rows)
+
+
+def depth48_rescue(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each method minus native GRPO in held-out, paired by RL seed, at every lr where they share two or more seeds:
+    mean, 95% t CI, p, TOST p at RESCUE_MARGIN, the paired minimum detectable difference (80% power), and each
+    side's failed seeds."""
+    native = runs[runs["method"] == "GRPO"].set_index(["optim.lr", "seed"])
+    rows = []
+    for (method, lr), cell in runs[runs["method"] != "GRPO"].groupby(["method", "optim.lr"]):
+        pairs = cell.set_index(["optim.lr", "seed"]).join(native, rsuffix="_native", how="inner")
+        if len(pairs) < 2:
+            continue
+        diff = paired_t(pairs["heldout"].to_numpy(float), pairs["heldout_native"].to_numpy(float))
+        sd = float((pairs["heldout"] - pairs["heldout_native"]).std(ddof=1))
+        rows.append({"method": method, "optim.lr": lr, "n_pairs": len(pairs), "difference": diff.mean_diff,
+                     "ci_low": diff.ci_low, "ci_high": diff.ci_high, "p": diff.p,
+                     "tost_p": tost_p(diff, RESCUE_MARGIN), "margin": RESCUE_MARGIN, "mdd": mdd_paired(len(pairs), sd),
+                     "failed": int(pairs["failed"].sum()), "failed_native": int(pairs["failed_native"].sum())})
+    return pd.DataFrame(rows)
+
+
+def mean_ci(values: np.ndarray) -> tuple[float, float, float]:
+    """Mean and its 95% t interval (NaN bounds for one value)."""
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return mean, mean - half, mean + half
+
+
 # --- the 8-term arm's step 0 at d_model 128 (PROTOCOL.md, addendum 2) ------------------------------------------------
 
 
@@ -364,6 +464,33 @@ def fig_width(frame: pd.DataFrame):
     return fig
 
 
+@in_paper_style
+def fig_depth48(runs: pd.DataFrame):
+    """Two panels against the learning rate at 48 MoE blocks (128 experts, top-8): held-out accuracy at T = 1 after
+    RL (mean of the last three evaluations) with the warm start at its best temperature as a line, and set change
+    per update; one colour per method, each run a point, the line through the means over seeds."""
+    fig, axes = new_figure(1, 2, row_height=2.6)
+    colours = {"GRPO": "#4477aa", "GRPO + R2": "#ccbb44", "GRPO + R3": "#ee6677", "GSPO": "#228833"}
+    lrs = sorted(runs["optim.lr"].unique())
+    panels = (("heldout", "held-out accuracy, T = 1 (last 3 evaluations)"), ("set_change", "set change per update"))
+    for ax, (column, label) in zip(axes[0], panels):
+        for method, colour in colours.items():
+            cell = runs[runs["method"] == method]
+            if cell.empty:
+                continue
+            means = cell.groupby("optim.lr")[column].mean()
+            ax.plot(means.index, means.to_numpy(), color=colour, marker="o", markersize=3, label=method)
+            ax.scatter(cell["optim.lr"], cell[column], color=colour, s=7, alpha=0.6)
+        ax.set(xscale="log", xlabel="learning rate", ylabel=label)
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], minor=False)
+        ax.set_xticks([], minor=True)
+    axes[0][0].axhline(best_temperature(), color="0.4", linestyle=":", linewidth=0.8)
+    axes[0][0].annotate("warm start, best temperature", (lrs[0], best_temperature()), fontsize=6,
+                        xytext=(0, 3), textcoords="offset points")
+    axes[0][0].legend(fontsize=6)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fold", nargs="*", default=[], metavar="SITTING=REPORT",
@@ -383,12 +510,18 @@ def main() -> None:
     tables = {"width_cell": cell_table(frame), "width_matched_kl": matched_table(frame),
               "width_critical": critical_table(frame), "law_held_out": check,
               "law_with_width": law, "law_extrapolation": extrapolation, "depth48_pilot": pilot_table()}
+    depth48 = depth48_runs()
+    if not depth48.empty:
+        tables.update({"depth48_runs": depth48, "depth48_cells": depth48_cells(depth48),
+                       "depth48_critical": depth48_critical(depth48), "depth48_rescue": depth48_rescue(depth48)})
     for name, table in tables.items():
         if table.empty:
             continue
         table.to_csv(out / f"{name}.csv", index=False)
         print(f"\n{name}\n{table.to_string(index=False)}")
     save(fig_width(frame), HERE, "width", formats=("png",))
+    if not depth48.empty and "depth48_axis" in _folded_sittings():
+        save(fig_depth48(depth48), HERE, "depth48", formats=("png",))
 
 
 if __name__ == "__main__":
