@@ -468,27 +468,35 @@ def fig_width(frame: pd.DataFrame):
 def fig_depth48(runs: pd.DataFrame):
     """Two panels against the learning rate at 48 MoE blocks (128 experts, top-8): held-out accuracy at T = 1 after
     RL (mean of the last three evaluations) with the warm start at its best temperature as a line, and set change
-    per update; one colour per method, each run a point, the line through the means over seeds."""
+    per update; one colour per method, set a little apart along the axis so that the methods at one lr do not hide
+    each other; each run a point, the line through the means over seeds."""
     fig, axes = new_figure(1, 2, row_height=2.6)
     colours = {"GRPO": "#4477aa", "GRPO + R2": "#ccbb44", "GRPO + R3": "#ee6677", "GSPO": "#228833"}
     lrs = sorted(runs["optim.lr"].unique())
     panels = (("heldout", "held-out accuracy, T = 1 (last 3 evaluations)"), ("set_change", "set change per update"))
     for ax, (column, label) in zip(axes[0], panels):
-        for method, colour in colours.items():
+        for offset, (method, colour) in enumerate(colours.items()):
             cell = runs[runs["method"] == method]
             if cell.empty:
                 continue
+            apart = 1.06 ** (offset - 1.5)
             means = cell.groupby("optim.lr")[column].mean()
-            ax.plot(means.index, means.to_numpy(), color=colour, marker="o", markersize=3, label=method)
-            ax.scatter(cell["optim.lr"], cell[column], color=colour, s=7, alpha=0.6)
+            ax.plot(means.index * apart, means.to_numpy(), color=colour, marker="o", markersize=3, label=method)
+            ax.scatter(cell["optim.lr"] * apart, cell[column], color=colour, s=7, alpha=0.6)
         ax.set(xscale="log", xlabel="learning rate", ylabel=label)
-        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], minor=False)
+        ax.set_xticks(lrs, [_lr_label(lr) for lr in lrs], minor=False)
         ax.set_xticks([], minor=True)
     axes[0][0].axhline(best_temperature(), color="0.4", linestyle=":", linewidth=0.8)
     axes[0][0].annotate("warm start, best temperature", (lrs[0], best_temperature()), fontsize=6,
                         xytext=(0, 3), textcoords="offset points")
     axes[0][0].legend(fontsize=6)
     return fig
+
+
+def _lr_label(lr: float) -> str:
+    """1e-4, 1.6e-3."""
+    mantissa, exponent = f"{lr:.1e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
 
 
 def main() -> None:
