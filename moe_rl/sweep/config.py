@@ -31,7 +31,8 @@ class SweepConfig:
     """The sweep directory; default sweeps/<experiment>[,<arg>=<value>...]."""
     only: Assignments = ()
     """Run only the runs whose swept values match, key=v1,v2 (e.g. optim.lr=2e-4,4e-4 seed=2): the others stay as
-    they are, for a later invocation; to spend seeds near a frontier first. Any swept field, the seed included."""
+    they are, for a later invocation; to spend seeds near a frontier first. Any swept field, the seed included; a
+    field only some cells set matches the others by their config's value (objective.name=grpo)."""
     dry_run: bool = False
     """Print the plan (runs, swept values, what would start, resume or be skipped) and run nothing."""
     workers: int = 1
