@@ -87,7 +87,8 @@ def fold(reports: dict[str, Path]) -> None:
 
 
 def _from_sweeps(column: pd.Series) -> pd.Series:
-    """A path such as ../../work/main/sweeps/width/... as sweeps/width/...; other values unchanged."""
+    """A path written relative to another folder (../../<checkout>/sweeps/width/...) as sweeps/width/...; other values
+    unchanged."""
     return column.str.replace(r"^[^,]*?(?=sweeps/)", "", regex=True)
 
 
