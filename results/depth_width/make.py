@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
+from moe_rl.analysis.aggregate import t_ci
 from moe_rl.analysis.scaling import (
     TARGET,
     WIDTH,
@@ -354,10 +354,10 @@ def depth48_cells(runs: pd.DataFrame) -> pd.DataFrame:
     and the means of both churn readings, tokens re-routed and KL per update."""
     rows = []
     for (method, lr), cell in runs.groupby(["method", "optim.lr"]):
-        gain = mean_ci(cell["gain"].to_numpy(float))
+        low, high = t_ci(cell["gain"])
         rows.append({"method": method, "optim.lr": lr, "n_seeds": len(cell), "n_failed": int(cell["failed"].sum()),
-                     "heldout": cell["heldout"].mean(), "gain": gain[0], "gain_ci_low": gain[1],
-                     "gain_ci_high": gain[2], "change": cell["change"].mean(),
+                     "heldout": cell["heldout"].mean(), "gain": cell["gain"].mean(), "gain_ci_low": low,
+                     "gain_ci_high": high, "change": cell["change"].mean(),
                      **{column: cell[column].mean() for column in ("set_change", "churn", "token_any", "kl_median")}})
     return pd.DataFrame(rows)
 
@@ -393,15 +393,6 @@ def depth48_rescue(runs: pd.DataFrame) -> pd.DataFrame:
                      "tost_p": tost_p(diff, RESCUE_MARGIN), "margin": RESCUE_MARGIN, "mdd": mdd_paired(len(pairs), sd),
                      "failed": int(pairs["failed"].sum()), "failed_native": int(pairs["failed_native"].sum())})
     return pd.DataFrame(rows)
-
-
-def mean_ci(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and its 95% t interval (NaN bounds for one value)."""
-    mean = float(values.mean())
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
-    return mean, mean - half, mean + half
 
 
 # --- the 8-term arm's step 0 at d_model 128 (PROTOCOL.md, addendum 2) ------------------------------------------------
