@@ -50,9 +50,10 @@ CELL = {"model.n_layers": 8, "model.n_experts": 64, "model.top_k": 8}  # the cel
 PAPER_WIDTH = 2048  # Qwen3-30B-A3B's hidden size
 READINGS = ("churn", "set_change")
 # The 48-block sittings (the pilot's runs are native seed 0 at 1e-4 and 2e-4; axis_b holds native seeds 1-2 at
-# 4e-4, run in a folder of their own beside the locked main one), their methods' labels, and the
+# 4e-4, run in a folder of their own beside the locked main one; axis6 and axis6_c are addendum 6's R2, R3 at 4e-4
+# and native GRPO, GSPO at 1.6e-3, from a rebuild of the same warm start), their methods' labels, and the
 # equivalence margin on held-out fixed in addendum 5 (dense_twin's).
-DEPTH48 = ("depth48_pilot", "depth48_axis", "depth48_axis_b")
+DEPTH48 = ("depth48_pilot", "depth48_axis", "depth48_axis_b", "depth48_axis6", "depth48_axis6_c")
 DEPTH48_METHODS = {"grpo native": "GRPO", "grpo R2": "GRPO + R2", "grpo R3": "GRPO + R3", "gspo native": "GSPO"}
 METHOD_FIELDS = ("routing_mode", "objective.name")
 RESCUE_MARGIN = 0.03
