@@ -261,6 +261,28 @@ def test_the_width_finding_is_recomputed_from_its_per_run_tables():
     assert best < 0.01 and (final_heldout > 5 * best).all()
 
 
+DEPTH48_AXIS = ("depth48_axis", "depth48_axis_b", "depth48_axis6", "depth48_axis6_c")  # results/depth_width's lr axis
+
+
+def _depth48_heldout(sittings: tuple[str, ...]) -> pd.DataFrame:
+    """One row per finished 48-block run of these sittings: lr, seed, routing mode, objective and `heldout`, the mean
+    of its held-out evaluations at steps 5, 10 and 15 at T = 1 (addendum 5's endpoint), from the per-run tables."""
+    from moe_rl.analysis.sittings import sitting_table
+
+    study = RESULTS / "depth_width"
+    frames = []
+    for sitting in sittings:
+        evals = sitting_table(study, "per_run_eval", sitting)
+        runs = sitting_table(study, "runs", sitting).set_index("run")
+        finished = runs.index[runs["status"] == "finished"]
+        after = evals[evals["step"].isin([5, 10, 15]) & evals["run"].isin(finished)]
+        after = after.groupby("run")["eval/reward"].agg(["mean", "count"])
+        assert (after["count"] == 3).all(), sitting
+        columns = ["optim.lr", "seed", "routing_mode", "objective.name"]
+        frames.append(runs.loc[after.index, columns].assign(heldout=after["mean"], sitting=sitting))
+    return pd.concat(frames).reset_index()
+
+
 def test_the_48_block_rescue_finding_is_recomputed_from_its_per_run_tables():
     """results/README.md finding 9 and results/depth_width (addendum 5), independently of make.py: at 48 MoE blocks
     and lr 8e-4, where native GRPO stops learning, R2 and R3 minus native in held-out (mean of the evaluations at
@@ -270,12 +292,7 @@ def test_the_48_block_rescue_finding_is_recomputed_from_its_per_run_tables():
 
     from moe_rl.analysis.sittings import sitting_table
 
-    study = RESULTS / "depth_width"
-    evals = sitting_table(study, "per_run_eval", "depth48_axis")
-    runs = sitting_table(study, "runs", "depth48_axis").set_index("run")
-    after = evals[evals["step"].isin([5, 10, 15])].groupby("run")["eval/reward"].agg(["mean", "count"])
-    assert (after["count"] == 3).all()
-    table = runs.loc[after.index, ["optim.lr", "seed", "routing_mode", "objective.name"]].assign(heldout=after["mean"])
+    table = _depth48_heldout(("depth48_axis",)).set_index("run")
     at = table[table["optim.lr"] == 8e-4]
     is_grpo = at["objective.name"] == "grpo"
     native = at[is_grpo & (at["routing_mode"] == "native")].set_index("seed")["heldout"]
@@ -286,5 +303,42 @@ def test_the_48_block_rescue_finding_is_recomputed_from_its_per_run_tables():
         assert len(diff) == 3, mode
         half = stats.t.ppf(0.95, 2) * diff.std(ddof=1) / math.sqrt(3)
         assert -0.03 < diff.mean() - half and diff.mean() + half < 0.03, (mode, diff.mean(), half)
-    final = sitting_table(study, "per_run_final", "depth48_axis").set_index("run")
+    final = sitting_table(RESULTS / "depth_width", "per_run_final", "depth48_axis").set_index("run")
     assert (final.loc[at.index, "set_change"] > 0.2).all()
+
+
+def test_the_48_block_runs_share_one_warm_start():
+    """Addendum 6 rebuilt the 48-block warm start on a new machine: every run of every 48-block sitting starts from
+    the same held-out evaluation at step 0 for its RL seed (T = 1 and greedy, 1,024 prompts)."""
+    from moe_rl.analysis.sittings import sitting_table
+
+    study = RESULTS / "depth_width"
+    evals = pd.concat([sitting_table(study, "per_run_eval", sitting) for sitting in ("depth48_pilot", *DEPTH48_AXIS)])
+    step0 = evals[evals["step"] == 0].groupby("seed")[["eval/reward", "eval/greedy"]].nunique()
+    assert len(step0) == 3 and (step0 == 1).all().all(), step0
+
+
+def test_each_48_block_method_has_its_lr_frontier_bracketed():
+    """results/depth_width (addendum 6) and results/README.md finding 9, independently of make.py: per method the
+    seed-mean gain over the warm start at its best temperature (held-out at T = 1, steps 5-15, minus the best
+    temperature's) is above 0 at the lower lr of its pair and at most 0 at the upper, 3 RL seeds at each: native GRPO
+    and GSPO between 8e-4 and 1.6e-3, R2 and R3 between 4e-4 and 8e-4. At 1.6e-3 every run fails, and seed 1's GRPO
+    and GSPO runs are one run: its first rollouts solved nothing, so no update carried an RL signal."""
+    from moe_rl.analysis.sittings import sitting_table
+
+    study = RESULTS / "depth_width"
+    baseline = pd.read_csv(study / "tables" / "depth48_warm_start_evaluate.csv")
+    best = baseline[(baseline["split"] == "heldout") & (baseline["decoding"] == "sampled")]["mean"].item()
+    table = _depth48_heldout(DEPTH48_AXIS).assign(gain=lambda frame: frame["heldout"] - best)
+    brackets = {("grpo", "native"): (8e-4, 1.6e-3), ("grpo", "R2"): (4e-4, 8e-4), ("grpo", "R3"): (4e-4, 8e-4),
+                ("gspo", "native"): (8e-4, 1.6e-3)}
+    for (objective, mode), (low, high) in brackets.items():
+        runs = table[(table["objective.name"] == objective) & (table["routing_mode"] == mode)]
+        gains = runs.groupby("optim.lr")["gain"].agg(["mean", "count"])
+        assert gains.loc[[low, high], "count"].tolist() == [3, 3], (objective, mode)
+        assert gains.loc[low, "mean"] > 0 >= gains.loc[high, "mean"], (objective, mode, gains)
+    top = table[table["optim.lr"] == 1.6e-3]
+    assert len(top) == 6 and (top["gain"] <= 0).all()
+    final = sitting_table(study, "per_run_final", "depth48_axis6_c").set_index("run")
+    seed1 = final.loc[top[top["seed"] == 1]["run"], ["set_change", "churn", "kl_median"]]
+    assert len(seed1) == 2 and (seed1.iloc[0] == seed1.iloc[1]).all()
