@@ -340,5 +340,5 @@ def test_each_48_block_method_has_its_lr_frontier_bracketed():
     top = table[table["optim.lr"] == 1.6e-3]
     assert len(top) == 6 and (top["gain"] <= 0).all()
     final = sitting_table(study, "per_run_final", "depth48_axis6_c").set_index("run")
-    seed1 = final.loc[top[top["seed"] == 1]["run"], ["set_change", "churn", "kl_median"]]
-    assert len(seed1) == 2 and (seed1.iloc[0] == seed1.iloc[1]).all()
+    seed1 = final.loc[top[top["seed"] == 1]["run"], ["set_change", "churn", "kl_median", "reward_start"]]
+    assert len(seed1) == 2 and (seed1.iloc[0] == seed1.iloc[1]).all() and (seed1["reward_start"] == 0).all()
